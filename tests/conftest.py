@@ -1,0 +1,30 @@
+"""Test-suite wide settings.
+
+Two torch processes with 2 threads each on a 2-core machine run ~10x slower than with one thread
+each, and the suite starts real coordinator and node processes: every process pins its threads.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("MKL_NUM_THREADS", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+torch.set_num_threads(1)
+
+
+def pytest_collection_modifyitems(config, items):
+    slow_ok = os.environ.get("VERIROLL_SLOW") == "1"
+    gpu_ok = torch.cuda.is_available()
+    for item in items:
+        if "slow" in item.keywords and not slow_ok:
+            item.add_marker(pytest.mark.skip(reason="slow test: set VERIROLL_SLOW=1 to run it"))
+        if "gpu" in item.keywords and not gpu_ok:
+            item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU; none is present on this machine"))
