@@ -1,0 +1,68 @@
+"""The ``veriroll`` command: one entry point, each part registers its own subcommands."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+
+def cmd_keygen(args) -> int:
+    from veriroll.protos.identity import KeyFileError, load_private_key, write_keypair
+
+    if args.show:
+        try:
+            key = load_private_key(args.out)
+        except KeyFileError as exc:
+            print(exc, file=sys.stderr)
+            return 1
+        print(key.node_id)
+        return 0
+    try:
+        key = write_keypair(args.out, force=args.force)
+    except KeyFileError as exc:
+        print(exc, file=sys.stderr)
+        return 1
+    print(key.node_id)
+    print(f"wrote {args.out} (keep it safe: it is your node's identity and history) and {args.out}.pub", file=sys.stderr)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="veriroll", description="verifiable asynchronous RL on untrusted hardware")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    k = sub.add_parser("keygen", help="create an Ed25519 key (PATH, PATH.pub) and print its node id")
+    k.add_argument("--out", default=os.path.expanduser("~/.config/veriroll/node.key"), help="private key path")
+    k.add_argument("--force", action="store_true", help="overwrite an existing key (its identity is lost)")
+    k.add_argument("--show", action="store_true", help="print the node id of the existing key at --out")
+    k.set_defaults(func=cmd_keygen)
+
+    from veriroll.coordinator.cli import register as register_coordinator
+    from veriroll.node.cli import register as register_node
+
+    register_coordinator(sub)
+    register_node(sub)
+    try:
+        from veriroll.shardcast.cli import register as register_shardcast
+    except ImportError:
+        register_shardcast = None
+    if register_shardcast is not None:
+        register_shardcast(sub)
+    try:
+        from veriroll.deploy.testnet import register as register_testnet
+    except ImportError:
+        register_testnet = None
+    if register_testnet is not None:
+        register_testnet(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,183 @@
+"""The coordinator process: wires the store, the service, the verifier, the trainer, the publisher
+and the HTTP side (metrics, status, dashboard) together and runs them until stopped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import signal
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from veriroll.coordinator import store as st
+from veriroll.coordinator.config import CoordinatorConfig
+from veriroll.coordinator.metrics import CoordinatorMetrics
+from veriroll.coordinator.policy import PolicyStore
+from veriroll.coordinator.server import read_tls, start_server
+from veriroll.coordinator.service import CoordinatorService, PolicyState
+from veriroll.protos.config import load_config, resolve_path
+from veriroll.protos.identity import load_private_key
+
+log = logging.getLogger("veriroll.coordinator")
+
+CONFIG_NAME = "coordinator.toml"
+PORTS_NAME = "ports.json"
+
+
+def load_coordinator_config(base_dir: Path, overrides=()) -> CoordinatorConfig:
+    path = base_dir / CONFIG_NAME
+    if not path.exists():
+        raise FileNotFoundError(f"{path} not found; create it with `veriroll coordinator init --dir {base_dir}`")
+    return load_config(CoordinatorConfig, path, overrides=overrides, env_prefix="VERIROLL_COORDINATOR_")
+
+
+@dataclass
+class Coordinator:
+    """A running coordinator and its parts (handy for tests and the testnet)."""
+
+    base_dir: Path
+    cfg: CoordinatorConfig
+    db: st.Database
+    service: CoordinatorService
+    policy_store: PolicyStore
+    grpc_port: int = 0
+    http_port: int = 0
+    tasks: list[asyncio.Task] = field(default_factory=list)
+    closers: list = field(default_factory=list)
+    server: object = None
+    stopped: asyncio.Event = field(default_factory=asyncio.Event)
+
+    @property
+    def address(self) -> str:
+        return f"{self.cfg.server.host}:{self.grpc_port}"
+
+    async def stop(self, grace: float = 2.0) -> None:
+        if self.stopped.is_set():
+            return
+        self.stopped.set()
+        if self.server is not None:
+            await self.server.stop(grace)
+        for task in self.tasks:
+            task.cancel()
+        for task in self.tasks:
+            try:
+                await task
+            except (asyncio.CancelledError, Exception):  # noqa: BLE001 - shutting down
+                pass
+        for close in reversed(self.closers):
+            res = close()
+            if asyncio.iscoroutine(res):
+                await res
+        self.service.close()
+        self.db.close()
+
+
+def build_verifier(cfg: CoordinatorConfig, policy_store: PolicyStore):
+    if not cfg.intake.verify:
+        return None
+    try:
+        from veriroll.coordinator.verifier import TrustedVerifier
+    except ImportError:
+        log.warning("verification stages are not available in this build; groups are checked for shape only")
+        return None
+    return TrustedVerifier(policy_store, cfg)
+
+
+async def start_coordinator(base_dir: str | Path, *, overrides=(), cfg: CoordinatorConfig | None = None) -> Coordinator:
+    base = Path(base_dir).resolve()
+    cfg = cfg or load_coordinator_config(base, overrides)
+    db = st.Database(resolve_path(base, cfg.database))
+    policy_store = PolicyStore(resolve_path(base, cfg.checkpoints))
+    version = db.run_sync(lambda c: st.kv_get(c, "policy_version", None))
+    if version is None:
+        version = policy_store.latest()
+        db.run_sync(lambda c: st.kv_set(c, "policy_version", version))
+    from veriroll.coordinator.environments import load_environment
+
+    env = load_environment(cfg.environment.name, **cfg.environment.kwargs)
+    key = load_private_key(resolve_path(base, cfg.key))
+    metrics = CoordinatorMetrics()
+    policy = PolicyState(version=int(version), relays=list(cfg.shardcast.relays))
+    service = CoordinatorService(
+        cfg, db, environment=env, tokenizer=policy_store.tokenizer, vocab_size=policy_store.vocab_size,
+        stop_token_ids=policy_store.stop_token_ids, coordinator_key=key.public, policy=policy,
+        verifier=build_verifier(cfg, policy_store), metrics=metrics,
+    )
+    coord = Coordinator(base, cfg, db, service, policy_store)
+    try:
+        await _start_parts(coord, key)
+    except BaseException:
+        await coord.stop()
+        raise
+    return coord
+
+
+async def _start_parts(coord: Coordinator, key) -> None:
+    cfg, base = coord.cfg, coord.base_dir
+    # Publisher and origin relay (shardcast) first, so GetPolicy can name them from the first call.
+    try:
+        from veriroll.coordinator.publisher import start_publisher
+    except ImportError:
+        start_publisher = None
+    if start_publisher is not None and cfg.shardcast.origin_port >= 0:
+        await start_publisher(coord, key)
+    tls = None
+    if cfg.server.tls:
+        tls = read_tls(resolve_path(base, cfg.server.tls_cert), resolve_path(base, cfg.server.tls_key))
+    server, port, _ = await start_server(coord.service, host=cfg.server.host, port=cfg.server.port, tls=tls)
+    coord.server, coord.grpc_port = server, port
+    try:
+        from veriroll.coordinator.http import start_http
+    except ImportError:
+        start_http = None
+    if start_http is not None:
+        await start_http(coord)
+    if cfg.trainer.enabled:
+        try:
+            from veriroll.coordinator.trainer import start_trainer
+        except ImportError:
+            start_trainer = None
+        if start_trainer is not None:
+            await start_trainer(coord)
+    coord.tasks.append(asyncio.create_task(_housekeeping(coord)))
+    ports = {"grpc": coord.grpc_port, "http": coord.http_port, "pid": os.getpid()}
+    origin = getattr(coord, "origin_url", None)
+    if origin:
+        ports["origin"] = origin
+    tmp = base / (PORTS_NAME + ".tmp")
+    tmp.write_text(json.dumps(ports))
+    tmp.replace(base / PORTS_NAME)
+    log.info("coordinator serving on %s (%s), policy version %d", coord.address, "TLS" if cfg.server.tls else "plaintext",
+             coord.service.policy.version)
+
+
+async def _housekeeping(coord: Coordinator) -> None:
+    """Expire leases (their prompts return to the pool) and refresh gauges, every second."""
+    while True:
+        try:
+            now = coord.service.clock()
+            expired = await coord.db.run(lambda c: coord.service.expire_leases(c, now))
+            if expired:
+                coord.service.metrics.leases_expired.inc(expired)
+            await coord.service.refresh_gauges()
+        except Exception:  # noqa: BLE001 - keep housekeeping alive; log and go on
+            log.exception("housekeeping failed")
+        await asyncio.sleep(1.0)
+
+
+async def serve_forever(base_dir: str | Path, overrides=()) -> int:
+    coord = await start_coordinator(base_dir, overrides=overrides)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        try:
+            loop.add_signal_handler(sig, stop.set)
+        except (NotImplementedError, RuntimeError):
+            pass
+    await stop.wait()
+    log.info("shutting down")
+    await coord.stop()
+    return 0

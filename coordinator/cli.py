@@ -1,0 +1,205 @@
+"""``veriroll coordinator …``: init, run, status, nodes, ban, unban."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import shutil
+import sys
+from pathlib import Path
+
+from veriroll.coordinator import store as st
+from veriroll.coordinator.config import CoordinatorConfig
+from veriroll.protos.config import ConfigError, dump_toml, load_config, resolve_path
+
+PRESETS = ("tiny-arith", "tiny-reverse")
+
+
+def preset_config(preset: str) -> CoordinatorConfig:
+    """The coordinator settings that go with a preset's model and task."""
+    from veriroll.coordinator.model_factory import preset_overrides
+
+    return load_config(CoordinatorConfig, overrides=preset_overrides(preset))
+
+
+def cmd_init(args) -> int:
+    from veriroll.coordinator.model_factory import create_preset_checkpoint
+    from veriroll.coordinator.policy import PolicyStore
+    from veriroll.coordinator.tls import create_tls
+    from veriroll.protos.identity import write_keypair
+
+    base = Path(args.dir).resolve()
+    cfg_path = base / "coordinator.toml"
+    if cfg_path.exists() and not args.force:
+        print(f"{base} is already a coordinator directory (use --force to recreate it)", file=sys.stderr)
+        return 2
+    if args.force and base.exists():
+        for name in ("state.db", "state.db-wal", "state.db-shm", "checkpoints", "shardcast", "ports.json"):
+            p = base / name
+            shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
+    base.mkdir(parents=True, exist_ok=True)
+    try:
+        cfg = load_config(CoordinatorConfig, overrides=_preset_and_sets(args.preset, args.set))
+    except ConfigError as exc:
+        print(exc, file=sys.stderr)
+        return 2
+    cfg_path.write_text(f"# veriroll coordinator config (preset {args.preset}). Paths are relative to this file.\n"
+                        + dump_toml(cfg))
+    key = write_keypair(resolve_path(base, cfg.key), force=True)
+    create_tls(resolve_path(base, cfg.server.tls_cert).parent, hostnames=tuple(args.hostname))
+    policy = PolicyStore(resolve_path(base, cfg.checkpoints))
+    tmp = policy.versions_dir / ".v000000.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    info = create_preset_checkpoint(args.preset, tmp, seed=args.seed)
+    policy.install(tmp, 0)
+    db = st.Database(resolve_path(base, cfg.database))
+    db.run_sync(lambda c: st.kv_set(c, "policy_version", 0))
+    db.close()
+    summary = {"dir": str(base), "preset": args.preset, "coordinator_key": str(resolve_path(base, cfg.key)) + ".pub",
+               "coordinator_node_id": key.node_id, "ca": str(resolve_path(base, cfg.server.tls_ca)), **(info or {})}
+    print(json.dumps(summary) if args.json else "\n".join(f"{k}: {v}" for k, v in summary.items()))
+    return 0
+
+
+def _preset_and_sets(preset: str, sets: list[str]) -> dict:
+    from veriroll.coordinator.model_factory import preset_overrides
+
+    out = dict(preset_overrides(preset))
+    for item in sets or []:
+        if "=" not in item:
+            raise ConfigError(f"--set {item!r} must look like section.field=value")
+        k, v = item.split("=", 1)
+        from veriroll.protos.config import parse_scalar
+
+        out[k.strip()] = parse_scalar(v.strip())
+    return out
+
+
+def cmd_run(args) -> int:
+    from veriroll.coordinator.app import serve_forever
+
+    _threads(1)
+    logging.basicConfig(level=getattr(logging, args.log_level.upper()), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        return asyncio.run(serve_forever(Path(args.dir), overrides=args.set or ()))
+    except (FileNotFoundError, ConfigError) as exc:
+        print(exc, file=sys.stderr)
+        return 2
+
+
+def _threads(n: int) -> None:
+    import torch
+
+    torch.set_num_threads(n)
+
+
+def _open_db(args) -> st.Database:
+    from veriroll.coordinator.app import load_coordinator_config
+
+    base = Path(args.dir).resolve()
+    cfg = load_coordinator_config(base)
+    return st.Database(resolve_path(base, cfg.database))
+
+
+def cmd_status(args) -> int:
+    try:
+        db = _open_db(args)
+    except (FileNotFoundError, ConfigError) as exc:
+        print(exc, file=sys.stderr)
+        return 2
+    try:
+        summary = db.run_sync(st.status_summary)
+    finally:
+        db.close()
+    if args.json:
+        print(json.dumps(summary))
+    else:
+        for k, v in summary.items():
+            print(f"{k:>22}: {v}")
+    return 0
+
+
+def cmd_nodes(args) -> int:
+    try:
+        db = _open_db(args)
+    except (FileNotFoundError, ConfigError) as exc:
+        print(exc, file=sys.stderr)
+        return 2
+    try:
+        nodes = db.run_sync(st.list_nodes)
+        by_node = db.run_sync(st.rejections_by_node)
+    finally:
+        db.close()
+    for n in nodes:
+        n["rejections"] = by_node.get(n["node_id"], {})
+    if args.json:
+        print(json.dumps(nodes))
+        return 0
+    print(f"{'node':34} {'standing':10} {'strikes':>7} {'groups':>7} {'tokens':>8} {'version':>7}  name")
+    for n in nodes:
+        print(f"{n['node_id']:34} {n['standing']:10} {n['strikes']:>7} {n['accepted_groups']:>7} "
+              f"{n['accepted_tokens']:>8} {n['loaded_version']:>7}  {n['display_name']}")
+    return 0
+
+
+def _set_standing(args, standing: str) -> int:
+    try:
+        db = _open_db(args)
+    except (FileNotFoundError, ConfigError) as exc:
+        print(exc, file=sys.stderr)
+        return 2
+    key = args.key
+    if Path(key).exists():
+        from veriroll.protos.identity import load_public_key
+
+        key = load_public_key(key).node_id
+    try:
+        row = db.run_sync(lambda c: st.find_node(c, key))
+        if row is None:
+            print(f"no node matches {args.key!r} (give a node id, a unique prefix, a hex key or a .pub file)", file=sys.stderr)
+            return 1
+        db.run_sync(lambda c: st.set_standing(c, row["node_id"], standing, f"operator: {args.reason}" if standing == "banned" else ""))
+    finally:
+        db.close()
+    print(f"{row['node_id']}: {standing}")
+    return 0
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("coordinator", help="run and operate the trusted coordinator")
+    sub = p.add_subparsers(dest="coordinator_command", required=True)
+
+    q = sub.add_parser("init", help="create a coordinator directory: config, key, TLS, version-0 checkpoint")
+    q.add_argument("--dir", required=True, help="directory to create")
+    q.add_argument("--preset", default="tiny-arith", choices=PRESETS, help="model and task preset")
+    q.add_argument("--seed", type=int, default=0, help="seed of the version-0 weights")
+    q.add_argument("--hostname", action="append", default=["localhost"], help="extra TLS hostname (repeatable)")
+    q.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override, e.g. leases.group_size=8")
+    q.add_argument("--force", action="store_true", help="recreate an existing directory's state")
+    q.add_argument("--json", action="store_true", help="print a JSON summary")
+    q.set_defaults(func=cmd_init)
+
+    q = sub.add_parser("run", help="serve the coordinator in DIR")
+    q.add_argument("--dir", required=True)
+    q.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override")
+    q.add_argument("--log-level", default="info")
+    q.set_defaults(func=cmd_run)
+
+    q = sub.add_parser("status", help="policy version, nodes, leases, accepted groups, rejections")
+    q.add_argument("--dir", required=True)
+    q.add_argument("--json", action="store_true", help="print one JSON object")
+    q.set_defaults(func=cmd_status)
+
+    q = sub.add_parser("nodes", help="list nodes with standing and credits")
+    q.add_argument("--dir", required=True)
+    q.add_argument("--json", action="store_true")
+    q.set_defaults(func=cmd_nodes)
+
+    for name, standing in (("ban", "banned"), ("unban", "probation")):
+        q = sub.add_parser(name, help=f"{name} a node by key (.pub file, hex key, node id or unique id prefix)")
+        q.add_argument("key")
+        q.add_argument("--dir", required=True)
+        q.add_argument("--reason", default="", help="recorded with the ban")
+        q.set_defaults(func=lambda a, s=standing: _set_standing(a, s))

@@ -1,0 +1,99 @@
+"""The coordinator's configuration: one typed model, loaded from ``DIR/coordinator.toml``.
+
+Paths in the file are relative to the coordinator's directory. Override any field from the command
+line with ``--set section.field=value`` or from the environment with ``VERIROLL_COORDINATOR_SECTION__FIELD``.
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ServerConfig(_Section):
+    host: str = Field("127.0.0.1", description="address the gRPC server binds to")
+    port: int = Field(50051, description="gRPC port (0 picks a free one and writes it to DIR/ports.json)")
+    tls: bool = Field(True, description="serve TLS; plaintext only for tests on loopback")
+    tls_cert: str = Field("tls/server.crt", description="server certificate (PEM)")
+    tls_key: str = Field("tls/server.key", description="server private key (PEM)")
+    tls_ca: str = Field("tls/ca.crt", description="CA certificate handed to nodes (PEM)")
+    max_message_bytes: int = Field(8 * 1024 * 1024, description="largest request accepted and counted; larger ones are refused")
+    max_concurrent_rpcs: int = Field(2048, description="calls served at once; more are refused by gRPC")
+    timestamp_window_s: float = Field(60.0, description="max |server clock - request timestamp|; nonces are remembered for twice this")
+    key_rate_per_s: float = Field(20.0, description="sustained requests per second allowed per node key")
+    key_burst: float = Field(60.0, description="burst allowance per node key")
+    peer_rate_per_s: float = Field(2000.0, description="sustained requests per second per peer IP address")
+    peer_burst: float = Field(4000.0, description="burst allowance per peer IP address")
+    http_port: int = Field(0, description="HTTP port for /metrics, /healthz, the status API and the dashboard (0: pick a free one)")
+
+
+class LeaseConfig(_Section):
+    group_size: int = Field(16, ge=1, le=256, description="samples per lease (GRPO group)")
+    temperature: float = Field(1.0, gt=0, description="sampling temperature")
+    max_new_tokens: int = Field(8, ge=1, description="max generated tokens per sample")
+    ttl_s: float = Field(60.0, gt=0, description="lease lifetime; an expired lease returns its prompt to the pool")
+    max_open_per_node: int = Field(2, ge=1, description="leases a node may hold at once")
+    queue_maxsize: int = Field(64, ge=1, description="no new leases while this many accepted groups wait for the trainer")
+
+
+class IntakeConfig(_Section):
+    s_max: int = Field(2, ge=0, description="accept groups generated with versions >= current - s_max")
+    max_strikes: int = Field(3, ge=1, description="hard failures before a key is banned")
+    probation_groups: int = Field(8, ge=0, description="clean accepted groups before a node leaves probation")
+    audit_fraction: float = Field(1.0, ge=0, le=1, description="fraction of a trusted node's groups fully verified")
+    verify: bool = Field(True, description="run the TOPLOC, sampling and log-prob checks (off only for load tests)")
+    logprob_tolerance: float = Field(0.05, gt=0, description="max |node - trusted| log-prob per token")
+    max_proof_bytes_per_token: int = Field(16, description="proof size bound per generated token (plus a fixed header)")
+
+
+class EnvironmentConfig(_Section):
+    name: str = Field("arithmetic", description="built-in environment or module:attribute of a user's")
+    kwargs: dict = Field(default_factory=dict, description="keyword arguments for the environment")
+    seed: int = Field(0, description="seed of the prompt stream")
+
+
+class TrainerConfig(_Section):
+    enabled: bool = Field(True, description="train on accepted groups (off: collect only)")
+    lr: float = Field(1e-4, gt=0, description="AdamW learning rate")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay")
+    groups_per_step: int = Field(16, ge=1, description="groups per optimizer step")
+    min_groups: int = Field(8, ge=1, description="wait until this many fresh groups are queued before stepping")
+    publish_weights_every: int = Field(1, ge=1, description="steps between published policy versions")
+    checkpoint_every: int = Field(5, ge=1, description="steps between full training-state checkpoints")
+    keep_checkpoints: int = Field(2, ge=1, description="full training-state checkpoints kept")
+    max_grad_norm: float = Field(1.0, gt=0, description="gradient clipping norm")
+    eps_low: float = Field(0.2, description="PPO clip below 1")
+    eps_high: float = Field(0.28, description="PPO clip above 1")
+    tis_cap: float = Field(4.0, description="truncated importance sampling cap")
+    correction: str = Field("decoupled", description="'mixed' (ratio vs node log-probs) or 'decoupled' (vs verifier's)")
+    std_scale: bool = Field(False, description="divide advantages by the group std")
+    staleness_gamma: float | None = Field(None, description="soft staleness weight gamma**s (None: off)")
+    kl_coef: float = Field(0.0, ge=0, description="KL penalty coefficient against version 0")
+    max_steps: int = Field(0, ge=0, description="stop training after this many steps (0: never)")
+    target_reward: float = Field(0.0, description="stop training once the running mean reward reaches this (0: never)")
+    threads: int = Field(1, ge=1, description="torch threads for training")
+
+
+class ShardcastConfig(_Section):
+    store: str = Field("shardcast", description="directory the origin relay serves")
+    shard_bytes: int = Field(32 * 1024 * 1024, description="shard size")
+    keep_versions: int = Field(4, ge=1, description="published versions kept in the store")
+    origin_port: int = Field(0, description="port of the built-in origin relay (0: pick a free one; -1: none)")
+    relays: list[str] = Field(default_factory=list, description="relay URLs announced to nodes (the origin is added)")
+
+
+class CoordinatorConfig(_Section):
+    key: str = Field("coordinator.key", description="coordinator Ed25519 private key (signs manifests)")
+    database: str = Field("state.db", description="SQLite database with nodes, leases, groups and the ledger")
+    checkpoints: str = Field("checkpoints", description="directory of policy versions (HF format) and trainer state")
+    model_dtype: str = Field("float32", description="dtype of the trusted model: float32 or bfloat16")
+    verifier_threads: int = Field(1, ge=1, description="torch threads for verification")
+    server: ServerConfig = Field(default_factory=ServerConfig)
+    leases: LeaseConfig = Field(default_factory=LeaseConfig)
+    intake: IntakeConfig = Field(default_factory=IntakeConfig)
+    environment: EnvironmentConfig = Field(default_factory=EnvironmentConfig)
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig)
+    shardcast: ShardcastConfig = Field(default_factory=ShardcastConfig)

@@ -1,0 +1,167 @@
+"""The intake pipeline's pure stages.
+
+A submitted group passes, in order of cost: signature and replay window (at the door, see
+``admission.py``) → lease → shape and bounds → staleness → verification (``verifier.py``) → reward.
+Each stage here is a function of plain data that returns ``None`` to pass or a :class:`Rejection`
+naming one :class:`~veriroll.protos.reasons.Reason`. No stage touches the network or the database.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from veriroll.protos.reasons import Reason
+
+# A proof is a small header plus at most 258 bytes per 32 generated tokens; anything far beyond that is
+# junk sent to waste verifier time or disk.
+PROOF_HEADER_ALLOWANCE = 64
+
+
+@dataclass(frozen=True)
+class Rejection:
+    reason: Reason
+    detail: str = ""
+
+    def __str__(self) -> str:
+        return f"{self.reason.value}: {self.detail or self.reason.message}"
+
+
+@dataclass(frozen=True)
+class LeaseRecord:
+    lease_id: str
+    node_id: str
+    prompt_id: int
+    group_size: int
+    temperature: float
+    max_new_tokens: int
+    seeds: tuple[int, ...]
+    stop_token_ids: tuple[int, ...]
+    policy_version: int
+    issued_ms: int
+    deadline_ms: int
+    state: str
+
+    @classmethod
+    def from_row(cls, row) -> LeaseRecord:
+        return cls(
+            lease_id=row["lease_id"], node_id=row["node_id"], prompt_id=int(row["prompt_id"]),
+            group_size=int(row["group_size"]), temperature=float(row["temperature"]),
+            max_new_tokens=int(row["max_new_tokens"]), seeds=tuple(json.loads(row["seeds"])),
+            stop_token_ids=tuple(json.loads(row["stop_token_ids"])), policy_version=int(row["policy_version"]),
+            issued_ms=int(row["issued_ms"]), deadline_ms=int(row["deadline_ms"]), state=row["state"],
+        )
+
+
+@dataclass
+class SubmittedSample:
+    token_ids: np.ndarray  # int32 [T]
+    logprobs: np.ndarray  # float32 [T] (or malformed length, caught by check_shape)
+    proof: bytes
+    finish_reason: str
+
+
+@dataclass
+class Submission:
+    lease_id: str
+    policy_version: int
+    samples: list[SubmittedSample]
+
+    @classmethod
+    def from_proto(cls, req) -> Submission:
+        samples = []
+        for s in req.samples:
+            raw = s.logprobs
+            # A length that is not a multiple of 4 cannot be float32s: keep what parses, let
+            # check_shape reject the count mismatch with a precise reason.
+            lp = np.frombuffer(raw[: len(raw) - len(raw) % 4], dtype="<f4")
+            if len(raw) % 4:
+                lp = np.concatenate([lp, np.array([np.nan], dtype="<f4")])
+            samples.append(SubmittedSample(np.asarray(s.token_ids, dtype=np.int64), lp, bytes(s.proof), s.finish_reason))
+        return cls(req.lease_id, int(req.policy_version), samples)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(sum(len(s.token_ids) for s in self.samples))
+
+
+def content_hash(sub: Submission) -> str:
+    """A digest of everything a submission claims; equal for an honest retry of the same group."""
+    h = hashlib.sha256()
+    h.update(sub.lease_id.encode())
+    h.update(str(sub.policy_version).encode())
+    for s in sub.samples:
+        h.update(np.asarray(s.token_ids, dtype="<i8").tobytes())
+        h.update(np.asarray(s.logprobs, dtype="<f4").tobytes())
+        h.update(hashlib.sha256(s.proof).digest())
+        h.update(s.finish_reason.encode())
+    return h.hexdigest()
+
+
+def check_lease(lease: LeaseRecord | None, node_id: str, now_ms: int) -> Rejection | None:
+    """The lease exists, was issued to this node, is still open and unexpired."""
+    if lease is None:
+        return Rejection(Reason.LEASE_UNKNOWN)
+    if lease.node_id != node_id:
+        return Rejection(Reason.LEASE_NOT_YOURS, f"lease {lease.lease_id} belongs to another node")
+    if lease.state == "submitted":
+        return Rejection(Reason.LEASE_USED)
+    if lease.state != "open" or now_ms > lease.deadline_ms:
+        return Rejection(Reason.LEASE_EXPIRED, f"lease {lease.lease_id} is {lease.state if lease.state != 'open' else 'past its deadline'}")
+    return None
+
+
+def max_proof_bytes(num_tokens: int, per_token: int) -> int:
+    return PROOF_HEADER_ALLOWANCE + per_token * max(num_tokens, 1) + 258
+
+
+def check_shape(sub: Submission, lease: LeaseRecord, *, vocab_size: int, max_proof_bytes_per_token: int = 16,
+                require_proof: bool = True) -> Rejection | None:
+    """Whole group present, lengths and ids in bounds, log-probs finite and <= 0, proofs bounded."""
+    if len(sub.samples) != lease.group_size:
+        return Rejection(Reason.WRONG_GROUP_SIZE, f"got {len(sub.samples)} samples, the lease asks for {lease.group_size}")
+    if sub.policy_version != lease.policy_version:
+        return Rejection(Reason.VERSION_MISMATCH,
+                         f"generated with version {sub.policy_version}, the lease names {lease.policy_version}")
+    stops = set(lease.stop_token_ids)
+    for i, s in enumerate(sub.samples):
+        n = len(s.token_ids)
+        if n == 0 or n > lease.max_new_tokens:
+            return Rejection(Reason.TOO_LONG, f"sample {i} has {n} tokens, allowed 1..{lease.max_new_tokens}")
+        if int(s.token_ids.min()) < 0 or int(s.token_ids.max()) >= vocab_size:
+            return Rejection(Reason.TOKEN_OUT_OF_VOCAB, f"sample {i} has a token outside [0, {vocab_size})")
+        if len(s.logprobs) != n:
+            return Rejection(Reason.BAD_LOGPROBS, f"sample {i} has {len(s.logprobs)} log-probs for {n} tokens")
+        if not np.all(np.isfinite(s.logprobs)) or float(np.max(s.logprobs)) > 0.0:
+            return Rejection(Reason.BAD_LOGPROBS, f"sample {i} has a log-prob that is NaN, infinite or > 0")
+        if len(s.proof) > max_proof_bytes(n, max_proof_bytes_per_token) or (require_proof and not s.proof):
+            return Rejection(Reason.PROOF_TOO_LARGE if s.proof else Reason.TOPLOC_FAILED,
+                             f"sample {i} proof is {len(s.proof)} bytes for {n} tokens")
+        ends_on_stop = int(s.token_ids[-1]) in stops
+        inner_stop = any(int(t) in stops for t in s.token_ids[:-1])
+        if inner_stop or (s.finish_reason == "stop") != ends_on_stop or \
+                (s.finish_reason == "length" and n != lease.max_new_tokens) or s.finish_reason not in ("stop", "length"):
+            return Rejection(Reason.BAD_FINISH, f"sample {i}: finish_reason {s.finish_reason!r} does not match its tokens")
+    return None
+
+
+def check_staleness(sub: Submission, current_version: int, s_max: int) -> Rejection | None:
+    """The group's version lies within ``s_max`` of the newest policy version."""
+    if sub.policy_version > current_version:
+        return Rejection(Reason.VERSION_MISMATCH, f"version {sub.policy_version} does not exist yet")
+    if current_version - sub.policy_version > s_max:
+        return Rejection(Reason.STALE_VERSION,
+                         f"version {sub.policy_version} is {current_version - sub.policy_version} behind {current_version} (s_max {s_max})")
+    return None
+
+
+def token_credit(sub: Submission) -> int:
+    return sub.num_tokens
+
+
+def is_finite_reward(x: float) -> bool:
+    return isinstance(x, float) and math.isfinite(x)

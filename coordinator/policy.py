@@ -1,0 +1,76 @@
+"""Policy versions on disk: ``CHECKPOINTS/versions/vNNNNNN/`` in HF format, written atomically."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from functools import cached_property
+from pathlib import Path
+
+_VERSION_DIR = re.compile(r"^v(\d{6})$")
+
+
+class PolicyStore:
+    """Where policy versions live, and the tokenizer facts every other part needs."""
+
+    def __init__(self, checkpoints_dir: str | Path):
+        self.root = Path(checkpoints_dir)
+        self.versions_dir = self.root / "versions"
+
+    def version_dir(self, version: int) -> Path:
+        return self.versions_dir / f"v{version:06d}"
+
+    def available(self) -> list[int]:
+        if not self.versions_dir.is_dir():
+            return []
+        out = []
+        for p in self.versions_dir.iterdir():
+            m = _VERSION_DIR.match(p.name)
+            if m and (p / "config.json").exists():
+                out.append(int(m.group(1)))
+        return sorted(out)
+
+    def latest(self) -> int:
+        versions = self.available()
+        if not versions:
+            raise FileNotFoundError(f"no policy version under {self.versions_dir}; run `veriroll coordinator init`")
+        return versions[-1]
+
+    def install(self, src_dir: Path, version: int) -> Path:
+        """Move a fully written checkpoint directory into place as ``version`` (atomic rename)."""
+        dest = self.version_dir(version)
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        if dest.exists():
+            shutil.rmtree(dest)
+        os.replace(src_dir, dest)
+        return dest
+
+    def prune(self, keep_from: int, *, protect: tuple[int, ...] = (0,)) -> None:
+        """Delete versions older than ``keep_from`` (except ``protect``: version 0 is the KL reference)."""
+        for v in self.available():
+            if v < keep_from and v not in protect:
+                shutil.rmtree(self.version_dir(v), ignore_errors=True)
+
+    @cached_property
+    def tokenizer(self):
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(str(self.version_dir(self.available()[0])))
+
+    @cached_property
+    def model_config(self) -> dict:
+        return json.loads((self.version_dir(self.available()[0]) / "config.json").read_text())
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.model_config["vocab_size"])
+
+    @property
+    def stop_token_ids(self) -> list[int]:
+        eos = self.model_config.get("eos_token_id")
+        if eos is None:
+            eos = self.tokenizer.eos_token_id
+        ids = eos if isinstance(eos, list) else [eos]
+        return [int(i) for i in ids if i is not None]

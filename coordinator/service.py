@@ -1,0 +1,455 @@
+"""The coordinator's request logic, between the wire (``server.py``) and the store.
+
+Every public coroutine takes an already-parsed request plus the authenticated caller and either
+returns a response message or raises :class:`Refusal`. Nothing here knows about gRPC status codes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import random
+import secrets
+import sqlite3
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+
+from veriroll.coordinator import store as st
+from veriroll.coordinator.admission import NonceStore, RateLimiter
+from veriroll.coordinator.config import CoordinatorConfig
+from veriroll.coordinator.intake import (
+    LeaseRecord,
+    Rejection,
+    Submission,
+    check_lease,
+    check_shape,
+    check_staleness,
+    content_hash,
+)
+from veriroll.coordinator.metrics import CoordinatorMetrics
+from veriroll.protos.envelope import SignedHeaders, verify_signature
+from veriroll.protos.identity import PublicKey
+from veriroll.protos.reasons import Reason
+from veriroll.protos.v1 import coordinator_pb2 as pb
+
+log = logging.getLogger("veriroll.coordinator")
+
+
+class Refusal(Exception):
+    """A request refused for ``reason``; ``detail`` is shown to the node."""
+
+    def __init__(self, reason: Reason, detail: str = ""):
+        super().__init__(f"{reason.value}: {detail or reason.message}")
+        self.reason = reason
+        self.detail = detail or reason.message
+
+
+@dataclass
+class VerificationResult:
+    rejection: Rejection | None
+    trusted_logprobs: list[np.ndarray] | None = None
+    seconds: float = 0.0
+
+
+class GroupVerifier(Protocol):
+    """The verification stages (TOPLOC, sampling, log-probs) run on the trusted model of ``lease.policy_version``."""
+
+    def verify_group(self, lease: LeaseRecord, prompt_ids: list[int], sub: Submission) -> VerificationResult: ...
+
+
+@dataclass
+class NodeInfo:
+    node_id: str
+    public_key: bytes
+    standing: str
+
+
+@dataclass
+class PolicyState:
+    """What GetPolicy tells nodes; updated by the trainer/publisher."""
+
+    version: int = 0
+    relays: list[str] = field(default_factory=list)
+    manifest_path: str = ""
+
+
+def now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+class CoordinatorService:
+    def __init__(
+        self,
+        cfg: CoordinatorConfig,
+        db: st.Database,
+        *,
+        environment,
+        tokenizer,
+        vocab_size: int,
+        stop_token_ids: list[int],
+        coordinator_key: PublicKey,
+        policy: PolicyState,
+        verifier: GroupVerifier | None = None,
+        metrics: CoordinatorMetrics | None = None,
+        clock: Callable[[], int] = now_ms,
+    ):
+        self.cfg = cfg
+        self.db = db
+        self.env = environment
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.stop_token_ids = list(stop_token_ids)
+        self.coordinator_key = coordinator_key
+        self.policy = policy
+        self.verifier = verifier
+        self.metrics = metrics or CoordinatorMetrics()
+        self.clock = clock
+        s = cfg.server
+        self.nonces = NonceStore(int(s.timestamp_window_s * 1000), not_before_ms=clock() - 1000)
+        self.key_limits = RateLimiter(s.key_rate_per_s, s.key_burst)
+        self.peer_limits = RateLimiter(s.peer_rate_per_s, s.peer_burst)
+        self._nodes: dict[bytes, NodeInfo] = {}
+        self._nodes_loaded_ms = 0
+        self._rng = random.Random(cfg.environment.seed)
+        self._audit_rng = random.Random()
+        self._verify_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="veriroll-verify")
+        self._reward_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="veriroll-reward")
+        self.db.run_sync(self._restore_prompt_stream)
+
+    # --- door ----------------------------------------------------------------------------------
+
+    def _restore_prompt_stream(self, conn: sqlite3.Connection) -> None:
+        drawn = int(st.kv_get(conn, "prompts_drawn", 0))
+        self._rng = random.Random(f"{self.cfg.environment.seed}:{drawn}")
+
+    async def _refresh_nodes(self, force: bool = False) -> None:
+        # Operators ban and unban from another process (the CLI writes the database): pick that up.
+        if not force and self.clock() - self._nodes_loaded_ms < 2000:
+            return
+        rows = await self.db.run(lambda c: c.execute("SELECT node_id, public_key, standing FROM nodes").fetchall())
+        self._nodes = {bytes(r["public_key"]): NodeInfo(r["node_id"], bytes(r["public_key"]), r["standing"]) for r in rows}
+        self._nodes_loaded_ms = self.clock()
+
+    async def admit(self, method: str, name: str, body: bytes, headers: SignedHeaders, peer: str) -> NodeInfo | None:
+        """Signature, replay window, identity, ban and rate checks. Returns the caller (None for Register)."""
+        if not self.peer_limits.allow(peer):
+            raise Refusal(Reason.RATE_LIMITED, "too many requests from this address")
+        now = self.clock()
+        skew = self.nonces.check_time(headers.ts_ms, now)
+        if skew is Reason.CLOCK_SKEW:
+            raise Refusal(Reason.CLOCK_SKEW, f"request time is {(headers.ts_ms - now) / 1000:+.1f}s from the coordinator's "
+                                             f"(window ±{self.cfg.server.timestamp_window_s:g}s); fix the node's clock")
+        if not verify_signature(headers, method, body):
+            raise Refusal(Reason.BAD_SIGNATURE)
+        if skew is not None:
+            raise Refusal(skew, "request was signed before the coordinator restarted; sign it again")
+        if not self.nonces.use(headers.public_key.raw, headers.nonce, headers.ts_ms, now):
+            raise Refusal(Reason.REPLAYED_NONCE)
+        await self._refresh_nodes()
+        node = self._nodes.get(headers.public_key.raw)
+        if node is None and name != "Register":
+            await self._refresh_nodes(force=True)
+            node = self._nodes.get(headers.public_key.raw)
+            if node is None:
+                raise Refusal(Reason.UNKNOWN_KEY)
+        if node is not None and node.standing == "banned":
+            raise Refusal(Reason.BANNED)
+        if not self.key_limits.allow(headers.public_key.raw):
+            raise Refusal(Reason.RATE_LIMITED, "too many requests for this key")
+        return node
+
+    async def count_refusal(self, node_id: str, reason: Reason, detail: str = "", lease_id: str = "") -> None:
+        self.metrics.rejections.inc(reason=reason.value)
+        now = self.clock()
+        strike_limit = self.cfg.intake.max_strikes
+
+        def op(conn: sqlite3.Connection) -> None:
+            st.count_rejection(conn, node_id, reason.value, lease_id, detail, now, log=bool(node_id))
+            if node_id and reason.strike:
+                row = conn.execute("UPDATE nodes SET strikes = strikes + 1, clean_groups = 0, "
+                                   "standing = CASE WHEN standing = 'trusted' THEN 'probation' ELSE standing END "
+                                   "WHERE node_id = ? RETURNING strikes", (node_id,)).fetchone()
+                if row is not None and row["strikes"] >= strike_limit:
+                    st.set_standing(conn, node_id, "banned", f"{row['strikes']} strikes, last: {reason.value}")
+                    log.warning("banned node %s after %d strikes (last: %s)", node_id, row["strikes"], reason.value)
+
+        await self.db.run(op)
+        if node_id and reason.strike:
+            await self._refresh_nodes(force=True)
+
+    # --- Register / Heartbeat / GetPolicy / GetLedger ------------------------------------------------
+
+    def policy_info(self) -> pb.PolicyInfo:
+        v = self.policy.version
+        s_max = self.cfg.intake.s_max
+        return pb.PolicyInfo(
+            version=v, relays=list(self.policy.relays), s_max=s_max,
+            coordinator_public_key=self.coordinator_key.raw, manifest_path=self.policy.manifest_path,
+            accepted_versions=list(range(max(0, v - s_max), v + 1)),
+        )
+
+    async def register(self, headers: SignedHeaders, req: pb.RegisterRequest) -> pb.RegisterResponse:
+        if bytes(req.public_key) != headers.public_key.raw:
+            raise Refusal(Reason.BAD_SIGNATURE, "Register must be signed by the key it registers")
+        hw = {
+            "cpu": req.hardware.cpu, "cpu_count": req.hardware.cpu_count, "ram_bytes": req.hardware.ram_bytes,
+            "disk_free_bytes": req.hardware.disk_free_bytes, "os": req.hardware.os, "engine": req.hardware.engine,
+            "device": req.hardware.device, "gpus": [{"name": g.name, "memory_bytes": g.memory_bytes} for g in req.hardware.gpus],
+        }
+        node_id = headers.public_key.node_id
+        now = self.clock()
+
+        def op(conn):
+            conn.execute(
+                "INSERT INTO nodes(node_id, public_key, registered_ms, last_seen_ms, hardware, software_version, display_name) "
+                "VALUES(?, ?, ?, ?, ?, ?, ?) ON CONFLICT(node_id) DO UPDATE SET last_seen_ms = excluded.last_seen_ms, "
+                "hardware = excluded.hardware, software_version = excluded.software_version, display_name = excluded.display_name",
+                (node_id, headers.public_key.raw, now, now, json.dumps(hw), req.software_version[:64], req.display_name[:64]),
+            )
+            return conn.execute("SELECT standing FROM nodes WHERE node_id = ?", (node_id,)).fetchone()["standing"]
+
+        standing = await self.db.run(op)
+        await self._refresh_nodes(force=True)
+        if standing == "banned":
+            raise Refusal(Reason.BANNED)
+        return pb.RegisterResponse(node_id=node_id, standing=standing, server_time_ms=now, policy=self.policy_info())
+
+    async def heartbeat(self, node: NodeInfo, req: pb.HeartbeatRequest) -> pb.HeartbeatResponse:
+        now = self.clock()
+        await self.db.run(lambda c: c.execute("UPDATE nodes SET last_seen_ms = ?, loaded_version = ? WHERE node_id = ?",
+                                              (now, int(req.loaded_version), node.node_id)))
+        return pb.HeartbeatResponse(server_time_ms=now, policy_version=self.policy.version, standing=node.standing)
+
+    async def get_policy(self, node: NodeInfo, req: pb.PolicyRequest) -> pb.PolicyResponse:
+        return pb.PolicyResponse(policy=self.policy_info())
+
+    async def get_ledger(self, node: NodeInfo, req: pb.LedgerRequest) -> pb.LedgerResponse:
+        def op(conn):
+            row = conn.execute("SELECT * FROM nodes WHERE node_id = ?", (node.node_id,)).fetchone()
+            return dict(row), st.rejections_by_reason(conn, node.node_id)
+
+        row, rejections = await self.db.run(op)
+        return pb.LedgerResponse(
+            node_id=node.node_id, standing=row["standing"], accepted_groups=row["accepted_groups"],
+            accepted_tokens=row["accepted_tokens"], strikes=row["strikes"], rejections_by_reason=rejections,
+            credits=float(row["accepted_tokens"]),
+        )
+
+    # --- LeaseWork ------------------------------------------------------------------------------
+
+    def _new_prompt(self, conn: sqlite3.Connection) -> int:
+        prompt = self.env.sample_prompts(self._rng, 1)[0]
+        ids = encode_prompt(self.tokenizer, prompt.text)
+        cur = conn.execute("INSERT INTO prompts(env, text, answer, meta, prompt_ids) VALUES(?, ?, ?, ?, ?)",
+                           (prompt.env, prompt.text, prompt.answer, json.dumps(prompt.meta or {}), st.pack_i32(ids)))
+        drawn = int(st.kv_get(conn, "prompts_drawn", 0)) + 1
+        st.kv_set(conn, "prompts_drawn", drawn)
+        return int(cur.lastrowid)
+
+    def expire_leases(self, conn: sqlite3.Connection, now: int) -> int:
+        rows = conn.execute("UPDATE leases SET state = 'expired' WHERE state = 'open' AND deadline_ms < ? RETURNING prompt_id",
+                            (now,)).fetchall()
+        for r in rows:
+            conn.execute("UPDATE prompts SET state = 'pending' WHERE prompt_id = ? AND state = 'leased'", (r["prompt_id"],))
+        return len(rows)
+
+    async def lease_work(self, node: NodeInfo, req: pb.LeaseRequest) -> pb.LeaseResponse:
+        lc = self.cfg.leases
+        now = self.clock()
+        version = self.policy.version
+        # Generate with the newest version the node holds, as long as it is inside the window; else
+        # name the current one, which the node must fetch first.
+        held = [v for v in list(req.available_versions) + [req.loaded_version] if version - self.cfg.intake.s_max < v <= version]
+        lease_version = max(held) if held else version
+        wanted = max(1, min(int(req.max_leases or 1), lc.max_open_per_node))
+
+        def op(conn):
+            expired = self.expire_leases(conn, now)
+            open_n = conn.execute("SELECT COUNT(*) FROM leases WHERE node_id = ? AND state = 'open'", (node.node_id,)).fetchone()[0]
+            queued = conn.execute("SELECT COUNT(*) FROM groups WHERE consumed_step IS NULL AND dropped IS NULL").fetchone()[0]
+            if queued >= lc.queue_maxsize:
+                return [], expired, "backpressure"
+            k = min(wanted, lc.max_open_per_node - open_n)
+            if k <= 0:
+                return [], expired, "too_many_open_leases"
+            leases = []
+            for _ in range(k):
+                row = conn.execute("SELECT prompt_id FROM prompts WHERE state = 'pending' ORDER BY prompt_id LIMIT 1").fetchone()
+                prompt_id = int(row["prompt_id"]) if row else self._new_prompt(conn)
+                conn.execute("UPDATE prompts SET state = 'leased', attempts = attempts + 1 WHERE prompt_id = ?", (prompt_id,))
+                ids = st.unpack_i32(conn.execute("SELECT prompt_ids FROM prompts WHERE prompt_id = ?", (prompt_id,)).fetchone()[0])
+                env = conn.execute("SELECT env FROM prompts WHERE prompt_id = ?", (prompt_id,)).fetchone()[0]
+                seeds = [secrets.randbits(64) for _ in range(lc.group_size)]
+                lease_id = secrets.token_hex(12)
+                deadline = now + int(lc.ttl_s * 1000)
+                conn.execute(
+                    "INSERT INTO leases(lease_id, node_id, prompt_id, group_size, temperature, max_new_tokens, seeds, "
+                    "stop_token_ids, policy_version, issued_ms, deadline_ms) VALUES(?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                    (lease_id, node.node_id, prompt_id, lc.group_size, lc.temperature, lc.max_new_tokens,
+                     json.dumps(seeds), json.dumps(self.stop_token_ids), lease_version, now, deadline),
+                )
+                leases.append(pb.Lease(
+                    lease_id=lease_id, prompt_ids=ids.tolist(), group_size=lc.group_size, temperature=lc.temperature,
+                    max_new_tokens=lc.max_new_tokens, seeds=seeds, policy_version=lease_version, deadline_ms=deadline,
+                    stop_token_ids=self.stop_token_ids, environment=env,
+                ))
+            return leases, expired, ""
+
+        leases, expired, wait = await self.db.run(op)
+        if expired:
+            self.metrics.leases_expired.inc(expired)
+        self.metrics.leases_issued.inc(len(leases))
+        return pb.LeaseResponse(leases=leases, retry_after_ms=0 if leases else 1000, wait_reason=wait)
+
+    # --- SubmitGroup ----------------------------------------------------------------------------
+
+    async def submit_group(self, node: NodeInfo, req: pb.SubmitGroupRequest) -> pb.SubmitGroupResponse:
+        now = self.clock()
+        sub = Submission.from_proto(req)
+        digest = content_hash(sub)
+
+        def load(conn):
+            lease = conn.execute("SELECT * FROM leases WHERE lease_id = ?", (sub.lease_id,)).fetchone()
+            if lease is None:
+                return None, None, None
+            prompt = conn.execute("SELECT * FROM prompts WHERE prompt_id = ?", (lease["prompt_id"],)).fetchone()
+            group = conn.execute("SELECT * FROM groups WHERE lease_id = ?", (sub.lease_id,)).fetchone()
+            return LeaseRecord.from_row(lease), dict(prompt), dict(group) if group else None
+
+        lease, prompt, prior = await self.db.run(load)
+        if prior is not None and lease is not None and lease.node_id == node.node_id and prior["content_hash"] == digest:
+            # An honest retry after a lost answer: the same content was accepted already. Answer the same.
+            return await self._accepted_response(prior["group_id"])
+        rejection = check_lease(lease, node.node_id, now)
+        if rejection is None:
+            rejection = check_shape(sub, lease, vocab_size=self.vocab_size,
+                                    max_proof_bytes_per_token=self.cfg.intake.max_proof_bytes_per_token,
+                                    require_proof=self.cfg.intake.verify)
+        if rejection is None:
+            rejection = check_staleness(sub, self.policy.version, self.cfg.intake.s_max)
+        trusted: list[np.ndarray] | None = None
+        verified = False
+        if rejection is None and self.verifier is not None and self._should_audit(node):
+            prompt_ids = st.unpack_i32(prompt["prompt_ids"]).tolist()
+            result: VerificationResult = await asyncio.get_running_loop().run_in_executor(
+                self._verify_pool, self.verifier.verify_group, lease, prompt_ids, sub)
+            self.metrics.verify_latency.observe(result.seconds)
+            rejection, trusted, verified = result.rejection, result.trusted_logprobs, True
+        if rejection is not None:
+            await self._reject_lease(node, lease, rejection)
+            raise Refusal(rejection.reason, rejection.detail)
+        rewards = await asyncio.get_running_loop().run_in_executor(self._reward_pool, self._score, prompt, sub)
+        group_id = await self._accept(node, lease, prompt, sub, digest, rewards, trusted, verified, now)
+        if group_id is None:
+            raise Refusal(Reason.LEASE_USED, "the lease was submitted concurrently")
+        self.metrics.accepted_groups.inc()
+        self.metrics.accepted_tokens.inc(sub.num_tokens)
+        return pb.SubmitGroupResponse(accepted=True, rewards=rewards, credited_tokens=sub.num_tokens, group_id=str(group_id))
+
+    def _should_audit(self, node: NodeInfo) -> bool:
+        if node.standing != "trusted":
+            return True
+        return self._audit_rng.random() < self.cfg.intake.audit_fraction
+
+    def _score(self, prompt: dict, sub: Submission) -> list[float]:
+        """Rewards recomputed from the tokens by the environment's rubric; never read from the node."""
+        from veriroll.coordinator.environments import Prompt
+
+        p = Prompt(text=prompt["text"], answer=prompt["answer"], env=prompt["env"], meta=json.loads(prompt["meta"] or "{}"))
+        stops = set(self.stop_token_ids)
+        out = []
+        for s in sub.samples:
+            ids = [int(t) for t in s.token_ids if int(t) not in stops]
+            text = self.tokenizer.decode(ids, skip_special_tokens=True)
+            r = float(self.env.reward(p, text))
+            out.append(r if np.isfinite(r) else 0.0)
+        return out
+
+    async def _reject_lease(self, node: NodeInfo, lease: LeaseRecord | None, rejection: Rejection) -> None:
+        # A lease that was legitimately this node's and failed a content check is spent; its prompt
+        # goes back to the pool for someone else.
+        if lease is not None and lease.node_id == node.node_id and lease.state == "open" and \
+                rejection.reason not in (Reason.LEASE_EXPIRED, Reason.LEASE_USED, Reason.LEASE_UNKNOWN):
+            lid, pid = lease.lease_id, lease.prompt_id
+
+            def op(conn):
+                n = conn.execute("UPDATE leases SET state = 'rejected' WHERE lease_id = ? AND state = 'open'", (lid,)).rowcount
+                if n:
+                    conn.execute("UPDATE prompts SET state = 'pending' WHERE prompt_id = ? AND state = 'leased'", (pid,))
+
+            await self.db.run(op)
+        await self.count_refusal(node.node_id, rejection.reason, rejection.detail, lease.lease_id if lease else "")
+
+    async def _accept(self, node, lease: LeaseRecord, prompt: dict, sub: Submission, digest: str, rewards: list[float],
+                      trusted, verified: bool, now: int) -> int | None:
+        probation_groups = self.cfg.intake.probation_groups
+
+        def op(conn):
+            n = conn.execute("UPDATE leases SET state = 'submitted' WHERE lease_id = ? AND state = 'open'",
+                             (lease.lease_id,)).rowcount
+            if n != 1:
+                return None
+            cur = conn.execute(
+                "INSERT INTO groups(lease_id, node_id, prompt_id, env, policy_version, temperature, arrival_ms, content_hash, "
+                "tokens, mean_reward, verified) VALUES(?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (lease.lease_id, node.node_id, lease.prompt_id, prompt["env"], sub.policy_version, lease.temperature, now,
+                 digest, sub.num_tokens, float(np.mean(rewards)), int(verified)),
+            )
+            gid = int(cur.lastrowid)
+            conn.executemany(
+                "INSERT INTO samples(group_id, idx, token_ids, logprobs, trusted_logprobs, reward, finish_reason) "
+                "VALUES(?, ?, ?, ?, ?, ?, ?)",
+                [(gid, i, st.pack_i32(s.token_ids), st.pack_f32(s.logprobs),
+                  st.pack_f32(trusted[i]) if trusted is not None else None, rewards[i], s.finish_reason)
+                 for i, s in enumerate(sub.samples)],
+            )
+            conn.execute("UPDATE prompts SET state = 'done' WHERE prompt_id = ?", (lease.prompt_id,))
+            conn.execute(
+                "UPDATE nodes SET accepted_groups = accepted_groups + 1, accepted_tokens = accepted_tokens + ?, "
+                "clean_groups = clean_groups + ?, last_seen_ms = ? WHERE node_id = ?",
+                (sub.num_tokens, int(verified), now, node.node_id),
+            )
+            conn.execute("UPDATE nodes SET standing = 'trusted' WHERE node_id = ? AND standing = 'probation' "
+                         "AND clean_groups >= ?", (node.node_id, probation_groups))
+            return gid
+
+        return await self.db.run(op)
+
+    async def _accepted_response(self, group_id: int) -> pb.SubmitGroupResponse:
+        def op(conn):
+            g = conn.execute("SELECT tokens FROM groups WHERE group_id = ?", (group_id,)).fetchone()
+            rs = [r["reward"] for r in conn.execute("SELECT reward FROM samples WHERE group_id = ? ORDER BY idx", (group_id,))]
+            return int(g["tokens"]), rs
+
+        tokens, rewards = await self.db.run(op)
+        return pb.SubmitGroupResponse(accepted=True, rewards=rewards, credited_tokens=tokens, group_id=str(group_id))
+
+    # --- housekeeping ---------------------------------------------------------------------------
+
+    async def refresh_gauges(self) -> dict[str, Any]:
+        summary = await self.db.run(st.status_summary)
+        standings = await self.db.run(lambda c: c.execute("SELECT standing, COUNT(*) n FROM nodes GROUP BY standing").fetchall())
+        self.metrics.queue_depth.set(summary["unconsumed_groups"])
+        self.metrics.policy_version.set(self.policy.version)
+        for s in st.STANDINGS:
+            self.metrics.nodes.set(0, standing=s)
+        for r in standings:
+            self.metrics.nodes.set(r["n"], standing=r["standing"])
+        return summary
+
+    def close(self) -> None:
+        self._verify_pool.shutdown(wait=False, cancel_futures=True)
+        self._reward_pool.shutdown(wait=False, cancel_futures=True)
+
+
+def encode_prompt(tokenizer, text: str) -> list[int]:
+    """Token ids of a prompt as the policy sees it: BOS (when the tokenizer has one) + the characters."""
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    bos = getattr(tokenizer, "bos_token_id", None)
+    return ([bos] if bos is not None else []) + list(ids)

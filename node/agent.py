@@ -1,0 +1,308 @@
+"""The volunteer's rollout loop: register, heartbeat, lease, generate, sign, submit, repeat.
+
+One event loop; generation runs in a worker thread so heartbeats keep flowing while the engine
+works. Weights are swapped only between leases. When the coordinator is unreachable the agent backs
+off (exponential, with jitter) and carries on when it returns, registering again if it has to.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import random
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+import numpy as np
+
+from veriroll.node.config import NodeConfig
+from veriroll.node.hardware import Hardware
+from veriroll.protos.identity import PrivateKey
+from veriroll.protos.service import CallError, SignedStub
+from veriroll.protos.v1 import coordinator_pb2 as pb
+
+log = logging.getLogger("veriroll.node")
+
+VERSION = "0.1.0"
+RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED,
+             grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN, grpc.StatusCode.CANCELLED}
+
+
+@dataclass
+class NodeStatus:
+    """What the node shows its operator (live view, status file)."""
+
+    node_id: str = ""
+    standing: str = ""
+    policy_version: int = -1
+    loaded_version: int = -1
+    leases_in_flight: int = 0
+    accepted_groups: int = 0
+    accepted_tokens: int = 0
+    rejected: Counter = field(default_factory=Counter)
+    tokens_per_s: float = 0.0
+    last_reward: float = 0.0
+    connected: bool = False
+    last_error: str = ""
+    download: dict = field(default_factory=dict)
+
+    def as_dict(self) -> dict:
+        d = dict(self.__dict__)
+        d["rejected"] = dict(self.rejected)
+        d["download"] = {str(k): v for k, v in self.download.items()}
+        return d
+
+
+class Backoff:
+    def __init__(self, base: float = 0.5, cap: float = 30.0):
+        self.base, self.cap, self.n = base, cap, 0
+
+    def next(self) -> float:
+        delay = min(self.cap, self.base * (2 ** self.n))
+        self.n += 1
+        return delay * (0.5 + random.random() / 2)
+
+    def reset(self) -> None:
+        self.n = 0
+
+
+class NodeAgent:
+    def __init__(self, cfg: NodeConfig, *, key: PrivateKey, channel: grpc.aio.Channel, engine_factory: Callable,
+                 versions, hardware: Hardware, engine_kind: str, device: str, adversary=None):
+        self.cfg = cfg
+        self.key = key
+        self.stub = SignedStub(channel, key, timeout=cfg.call_timeout_s)
+        self.engine_factory = engine_factory
+        self.engine = None
+        self.versions = versions
+        self.hardware = hardware
+        self.engine_kind = engine_kind
+        self.device = device
+        self.adversary = adversary
+        self.status = NodeStatus(node_id=key.node_id)
+        self.policy: pb.PolicyInfo | None = None
+        self.stopping = asyncio.Event()
+        self.abandon = asyncio.Event()
+        self._backoff = Backoff()
+        self._tok_window: list[tuple[float, int]] = []
+
+    # --- coordinator calls with retry -------------------------------------------------------------
+
+    async def _call(self, fn, *args):
+        while not self.abandon.is_set():
+            try:
+                result = await fn(*args)
+                self._backoff.reset()
+                self.status.connected = True
+                return result
+            except CallError as err:
+                if err.code in RETRYABLE and err.reason != "message_too_large":
+                    self.status.connected = err.code != grpc.StatusCode.UNAVAILABLE
+                    self.status.last_error = f"{err.reason}: {err.details}"
+                    delay = self._backoff.next()
+                    log.warning("coordinator call failed (%s); retrying in %.1fs", err.reason, delay)
+                    await self._sleep(delay)
+                    continue
+                if err.reason == "unknown_key":
+                    log.warning("coordinator does not know this key (restarted with a new state?); registering again")
+                    await self.register()
+                    continue
+                raise
+        raise asyncio.CancelledError
+
+    async def _sleep(self, seconds: float) -> None:
+        try:
+            await asyncio.wait_for(self.abandon.wait(), timeout=seconds)
+        except asyncio.TimeoutError:
+            pass
+
+    async def register(self) -> None:
+        hw = self.hardware
+        req = pb.RegisterRequest(
+            public_key=self.key.public.raw, software_version=VERSION, display_name=self.cfg.display_name,
+            hardware=pb.HardwareReport(
+                cpu=hw.cpu, cpu_count=hw.cpu_count, ram_bytes=hw.ram_bytes, disk_free_bytes=hw.disk_free_bytes,
+                os=hw.os, engine=self.engine_kind, device=self.device,
+                gpus=[pb.Gpu(name=g.name, memory_bytes=g.memory_bytes) for g in hw.gpus]),
+        )
+        while True:
+            try:
+                resp = await self.stub.register(req)
+                break
+            except CallError as err:
+                if err.code not in RETRYABLE:
+                    raise
+                delay = self._backoff.next()
+                self.status.last_error = f"{err.reason}: {err.details}"
+                log.warning("cannot reach the coordinator (%s); retrying in %.1fs", err.reason, delay)
+                await self._sleep(delay)
+                if self.abandon.is_set():
+                    raise asyncio.CancelledError from None
+        self._backoff.reset()
+        skew = (resp.server_time_ms - time.time() * 1000) / 1000
+        if abs(skew) > 5:
+            log.warning("this machine's clock is %+.1fs off the coordinator's; requests beyond the window fail", skew)
+        self.status.standing = resp.standing
+        self.status.connected = True
+        self._set_policy(resp.policy)
+        log.info("registered as %s (standing: %s); policy version %d", resp.node_id, resp.standing, resp.policy.version)
+
+    def _set_policy(self, policy: pb.PolicyInfo) -> None:
+        from veriroll.protos.identity import PublicKey
+
+        self.policy = policy
+        announced = PublicKey(bytes(policy.coordinator_public_key)) if len(policy.coordinator_public_key) == 32 else None
+        pinned = getattr(self.versions, "coordinator_key", False)
+        if pinned is None and announced is not None:
+            # No key pinned in the config: trust the one the coordinator announces over TLS.
+            self.versions.coordinator_key = announced
+        elif pinned and announced is not None and pinned.raw != announced.raw:
+            log.error("the coordinator announces checkpoint key %s but this node pins %s; checkpoints will be refused",
+                      announced.node_id, pinned.node_id)
+        self.status.policy_version = policy.version
+
+    async def _heartbeats(self) -> None:
+        while not self.stopping.is_set():
+            await self._sleep(self.cfg.heartbeat_s)
+            try:
+                resp = await self.stub.heartbeat(pb.HeartbeatRequest(
+                    loaded_version=self.engine.version if self.engine and self.engine.version is not None else -1,
+                    leases_in_flight=self.status.leases_in_flight, tokens_per_s=self.status.tokens_per_s))
+                self.status.standing = resp.standing
+                if self.policy is None or resp.policy_version != self.policy.version:
+                    self._set_policy((await self.stub.get_policy()).policy)
+                if self.policy is not None:
+                    await self.versions.ensure(self.policy.version, list(self.policy.relays))
+                self.status.download = self.versions.progress()
+            except CallError as err:
+                self.status.last_error = f"heartbeat: {err.reason}"
+            except Exception as exc:  # noqa: BLE001 - the heartbeat must outlive any hiccup
+                self.status.last_error = f"heartbeat: {exc}"
+
+    # --- the loop ---------------------------------------------------------------------------------
+
+    async def _engine_for(self, version: int, deadline_ms: int):
+        """The engine with ``version`` live, fetching and swapping first if needed; None if it cannot be in time."""
+        if self.engine is not None and self.engine.version == version:
+            return self.engine
+        relays = list(self.policy.relays) if self.policy else []
+        while True:
+            path = await self.versions.ensure(version, relays)
+            if path is not None:
+                break
+            if time.time() * 1000 > deadline_ms - 1000 or self.abandon.is_set():
+                return None
+            await self._sleep(0.2)
+        if self.engine is None:
+            self.engine = await asyncio.to_thread(self.engine_factory, Path(path), version)
+        else:
+            await asyncio.to_thread(self.engine.load, Path(path), version)
+        self.status.loaded_version = version
+        log.info("policy version %d is live", version)
+        return self.engine
+
+    def _window_versions(self) -> list[int]:
+        if self.policy is None:
+            return []
+        lo = self.policy.version - self.policy.s_max
+        return [v for v in self.versions.available() if v >= lo]
+
+    async def run(self) -> int:
+        await self.register()
+        if self.policy is not None:
+            await self.versions.ensure(self.policy.version, list(self.policy.relays))
+        heartbeat = asyncio.create_task(self._heartbeats())
+        try:
+            while not self.stopping.is_set():
+                if self.cfg.max_groups and self.status.accepted_groups >= self.cfg.max_groups:
+                    log.info("submitted %d accepted groups; done", self.status.accepted_groups)
+                    break
+                loaded = self.engine.version if self.engine is not None and self.engine.version is not None else -1
+                try:
+                    resp = await self._call(self.stub.lease_work, pb.LeaseRequest(
+                        max_leases=self.cfg.max_leases, loaded_version=loaded, available_versions=self._window_versions()))
+                except CallError as err:
+                    self.status.rejected[err.reason] += 1
+                    self.status.last_error = str(err)
+                    if err.reason == "banned":
+                        log.error("this key is banned by the coordinator: %s", err.details)
+                        return 3
+                    log.warning("lease request refused: %s", err)
+                    await self._sleep(self._backoff.next())
+                    continue
+                if not resp.leases:
+                    await self._sleep(max(0.05, resp.retry_after_ms / 1000))
+                    continue
+                for lease in resp.leases:
+                    if self.abandon.is_set():
+                        log.warning("abandoning lease %s; it returns to the pool at its deadline", lease.lease_id)
+                        continue
+                    await self._serve(lease)
+        except asyncio.CancelledError:
+            pass
+        finally:
+            heartbeat.cancel()
+            if self.engine is not None:
+                self.engine.close()
+        return 0
+
+    async def _serve(self, lease: pb.Lease) -> None:
+        from veriroll.node.engines.base import GenerationRequest
+
+        self.status.leases_in_flight += 1
+        try:
+            engine = await self._engine_for(lease.policy_version, lease.deadline_ms)
+            if engine is None:
+                log.warning("version %d not available before the deadline of lease %s; letting it expire",
+                            lease.policy_version, lease.lease_id)
+                return
+            request = GenerationRequest(prompt_ids=list(lease.prompt_ids), seeds=list(lease.seeds),
+                                        temperature=float(lease.temperature), max_new_tokens=int(lease.max_new_tokens),
+                                        stop_token_ids=list(lease.stop_token_ids))
+            t0 = time.perf_counter()
+            results = (await asyncio.to_thread(engine.generate, [request]))[0]
+            gen_s = time.perf_counter() - t0
+            req = pb.SubmitGroupRequest(lease_id=lease.lease_id, policy_version=lease.policy_version, samples=[
+                pb.Sample(token_ids=r.token_ids, logprobs=np.asarray(r.logprobs, dtype="<f4").tobytes(),
+                          proof=r.proof, finish_reason=r.finish_reason) for r in results])
+            tokens = sum(len(r.token_ids) for r in results)
+            self._note_tokens(tokens, gen_s)
+            if self.adversary is not None:
+                await self.adversary.submit(self, lease, req, results)
+                return
+            await self.submit(req, tokens)
+        finally:
+            self.status.leases_in_flight -= 1
+
+    def _note_tokens(self, tokens: int, seconds: float) -> None:
+        now = time.monotonic()
+        self._tok_window = [(t, n) for t, n in self._tok_window if now - t < 30] + [(now, tokens)]
+        span = max(seconds, now - self._tok_window[0][0]) if len(self._tok_window) > 1 else seconds
+        self.status.tokens_per_s = sum(n for _, n in self._tok_window) / max(span, 1e-6)
+
+    async def submit(self, req: pb.SubmitGroupRequest, tokens: int) -> pb.SubmitGroupResponse | None:
+        try:
+            resp = await self._call(self.stub.submit_group, req)
+        except CallError as err:
+            self.status.rejected[err.reason] += 1
+            log.warning("group for lease %s rejected: %s", req.lease_id, err)
+            self._write_status()
+            return None
+        self.status.accepted_groups += 1
+        self.status.accepted_tokens += resp.credited_tokens
+        self.status.last_reward = float(np.mean(resp.rewards)) if len(resp.rewards) else 0.0
+        log.info("group accepted (lease %s, version %d, %d tokens, mean reward %.2f)", req.lease_id,
+                 req.policy_version, tokens, self.status.last_reward)
+        self._write_status()
+        return resp
+
+    def _write_status(self) -> None:
+        if self.cfg.status_file:
+            tmp = Path(self.cfg.status_file + ".tmp")
+            tmp.write_text(json.dumps(self.status.as_dict()))
+            tmp.replace(self.cfg.status_file)

@@ -1,0 +1,198 @@
+"""``veriroll node …``: run, credits (and doctor)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import signal
+import sys
+from pathlib import Path
+
+from veriroll.node.config import NodeConfig
+from veriroll.protos.config import ConfigError, load_config
+
+# Flags that map 1:1 onto NodeConfig fields (None = not given, so file/env values stand).
+_FLAG_FIELDS = ("coordinator", "ca", "key", "coordinator_key", "engine", "device", "dtype", "threads", "max_groups",
+                "max_leases", "cache_dir", "checkpoint_dir", "display_name", "adversary", "status_file", "server_name",
+                "heartbeat_s", "call_timeout_s")
+
+
+def load_node_config(args) -> NodeConfig:
+    overrides = {f: getattr(args, f) for f in _FLAG_FIELDS if getattr(args, f, None) is not None}
+    if getattr(args, "relay", None):
+        overrides["relays"] = list(args.relay)
+    for item in getattr(args, "set", None) or []:
+        if "=" not in item:
+            raise ConfigError(f"--set {item!r} must look like field=value")
+        k, v = item.split("=", 1)
+        from veriroll.protos.config import parse_scalar
+
+        overrides[k.strip()] = parse_scalar(v.strip())
+    return load_config(NodeConfig, getattr(args, "config", None), overrides=overrides, env_prefix="VERIROLL_NODE_")
+
+
+def _channel(cfg: NodeConfig):
+    from veriroll.protos.service import secure_channel
+
+    ca = Path(cfg.ca).expanduser().read_bytes() if cfg.ca else None
+    return secure_channel(cfg.coordinator, ca, server_name=cfg.server_name or None)
+
+
+def build_agent(cfg: NodeConfig, channel):
+    """Everything a node needs, from its config: key, hardware, engine factory, weight source."""
+    import torch
+
+    from veriroll.node.agent import NodeAgent
+    from veriroll.node.hardware import choose_device, choose_engine, detect_hardware
+    from veriroll.node.weights import LocalVersions, RelayVersions
+    from veriroll.protos.identity import load_private_key, load_public_key
+
+    torch.set_num_threads(cfg.threads)
+    key = load_private_key(Path(cfg.key).expanduser())
+    hw = detect_hardware(cfg.cache_dir)
+    engine_kind = choose_engine(cfg.engine, hw)
+    device = choose_device(cfg.device, hw)
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[cfg.dtype]
+
+    def engine_factory(path: Path, version: int):
+        from veriroll.node.engines import create_engine
+
+        return create_engine(engine_kind, checkpoint_dir=path, version=version, device=device, dtype=dtype,
+                             threads=cfg.threads)
+
+    if cfg.checkpoint_dir:
+        versions = LocalVersions(cfg.checkpoint_dir)
+    else:
+        ckey = load_public_key(Path(cfg.coordinator_key).expanduser()) if cfg.coordinator_key else None
+        versions = RelayVersions(cfg.cache_dir, ckey, keep=cfg.keep_versions, relays=cfg.relays)
+    adversary = None
+    if cfg.adversary:
+        from veriroll.node.adversary import make_adversary
+
+        adversary = make_adversary(cfg.adversary)
+    agent = NodeAgent(cfg, key=key, channel=channel, engine_factory=engine_factory, versions=versions, hardware=hw,
+                      engine_kind=engine_kind, device=device, adversary=adversary)
+    return agent
+
+
+async def _run(cfg: NodeConfig) -> int:
+    channel = _channel(cfg)
+    agent = build_agent(cfg, channel)
+    loop = asyncio.get_running_loop()
+    interrupts = {"n": 0}
+
+    def on_signal():
+        interrupts["n"] += 1
+        if interrupts["n"] == 1:
+            logging.getLogger("veriroll.node").warning(
+                "stopping: finishing the lease in hand (Ctrl-C again to abandon it)")
+            agent.stopping.set()
+        else:
+            agent.abandon.set()
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        try:
+            loop.add_signal_handler(sig, on_signal)
+        except (NotImplementedError, RuntimeError):
+            pass
+    print(f"node id {agent.key.node_id} (key {Path(cfg.key).expanduser()}); engine {agent.engine_kind} on {agent.device}",
+          file=sys.stderr)
+    try:
+        return await agent.run()
+    finally:
+        await channel.close()
+
+
+def cmd_run(args) -> int:
+    try:
+        cfg = load_node_config(args)
+    except ConfigError as exc:
+        print(exc, file=sys.stderr)
+        return 2
+    os.environ.setdefault("OMP_NUM_THREADS", str(cfg.threads))
+    logging.basicConfig(level=getattr(logging, args.log_level.upper()), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    from veriroll.protos.identity import KeyFileError
+
+    try:
+        return asyncio.run(_run(cfg))
+    except KeyFileError as exc:
+        print(f"{exc}\ncreate a key with `veriroll keygen --out {cfg.key}`", file=sys.stderr)
+        return 2
+
+
+async def _credits(cfg: NodeConfig) -> dict:
+    from veriroll.protos.identity import load_private_key
+    from veriroll.protos.service import SignedStub
+
+    channel = _channel(cfg)
+    try:
+        stub = SignedStub(channel, load_private_key(Path(cfg.key).expanduser()), timeout=cfg.call_timeout_s)
+        r = await stub.get_ledger()
+        return {"node_id": r.node_id, "standing": r.standing, "accepted_groups": r.accepted_groups,
+                "accepted_tokens": r.accepted_tokens, "strikes": r.strikes, "credits": r.credits,
+                "rejections_by_reason": dict(r.rejections_by_reason)}
+    finally:
+        await channel.close()
+
+
+def cmd_credits(args) -> int:
+    from veriroll.protos.service import CallError
+
+    try:
+        cfg = load_node_config(args)
+        ledger = asyncio.run(_credits(cfg))
+    except (ConfigError, CallError, OSError) as exc:
+        print(f"cannot read the ledger: {exc}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(ledger))
+    else:
+        for k, v in ledger.items():
+            print(f"{k:>22}: {v}")
+    return 0
+
+
+def _common(q: argparse.ArgumentParser) -> None:
+    q.add_argument("--config", help="node settings TOML (flags > VERIROLL_NODE_* environment > file)")
+    q.add_argument("--coordinator", help="coordinator HOST:PORT")
+    q.add_argument("--ca", help="CA certificate of the coordinator's TLS (PEM)")
+    q.add_argument("--server-name", dest="server_name", help="TLS name to expect from the coordinator")
+    q.add_argument("--key", help="this node's private key file")
+    q.add_argument("--call-timeout-s", dest="call_timeout_s", type=float, help="deadline of each coordinator call")
+    q.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", help="any other setting")
+    q.add_argument("--json", action="store_true", help="machine-readable output")
+
+
+ADVERSARY_HELP = ("TESTING ONLY — never on a real network: submit dishonest groups of the named KIND to exercise the "
+                  "coordinator's defences (see veriroll.node.adversary.KINDS). The node will be struck and banned.")
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("node", help="run a volunteer node")
+    sub = p.add_subparsers(dest="node_command", required=True)
+
+    q = sub.add_parser("run", help="lease prompts, generate, prove, sign and submit groups")
+    _common(q)
+    q.add_argument("--coordinator-key", dest="coordinator_key", help="coordinator public key (.pub) that signs checkpoints")
+    q.add_argument("--engine", choices=["auto", "torch", "vllm"], help="generation engine")
+    q.add_argument("--device", help="cpu, cuda or auto")
+    q.add_argument("--dtype", choices=["float32", "bfloat16", "float16"])
+    q.add_argument("--threads", type=int, help="torch CPU threads")
+    q.add_argument("--max-groups", dest="max_groups", type=int, help="stop after this many accepted groups")
+    q.add_argument("--max-leases", dest="max_leases", type=int, help="leases held at once")
+    q.add_argument("--cache-dir", dest="cache_dir", help="where fetched checkpoints are kept")
+    q.add_argument("--checkpoint-dir", dest="checkpoint_dir", help="read versions from a local directory, not relays")
+    q.add_argument("--relay", action="append", help="relay URL (repeatable; default: the coordinator's list)")
+    q.add_argument("--display-name", dest="display_name")
+    q.add_argument("--status-file", dest="status_file", help="write JSON status here after each group")
+    q.add_argument("--heartbeat-s", dest="heartbeat_s", type=float)
+    q.add_argument("--adversary", metavar="KIND", help=ADVERSARY_HELP)
+    q.add_argument("--log-level", default="info")
+    q.set_defaults(func=cmd_run)
+
+    q = sub.add_parser("credits", help="this node's ledger on the coordinator (signed query)")
+    _common(q)
+    q.set_defaults(func=cmd_credits)

@@ -1,0 +1,30 @@
+"""The node's settings: TOML file < ``VERIROLL_NODE_*`` environment < command-line flags."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class NodeConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    coordinator: str = Field("127.0.0.1:50051", description="coordinator gRPC address HOST:PORT")
+    ca: str = Field("", description="CA certificate (PEM) that signed the coordinator's TLS certificate; empty: plaintext")
+    server_name: str = Field("", description="TLS server name to expect, if not the host part of `coordinator`")
+    key: str = Field("node.key", description="this node's Ed25519 private key (veriroll keygen)")
+    coordinator_key: str = Field("", description="coordinator public key (.pub) that must sign checkpoints; empty: trust the one from GetPolicy")
+    engine: str = Field("auto", description="'torch', 'vllm' or 'auto' (vllm when a GPU and vllm are present)")
+    device: str = Field("auto", description="'cpu', 'cuda' or 'auto'")
+    dtype: str = Field("float32", description="generation dtype: float32 or bfloat16 (must match what the coordinator verifies)")
+    threads: int = Field(1, ge=1, description="torch CPU threads")
+    max_groups: int = Field(0, ge=0, description="stop after submitting this many accepted groups (0: run until stopped)")
+    max_leases: int = Field(1, ge=1, description="leases to hold at once")
+    heartbeat_s: float = Field(10.0, gt=0, description="heartbeat period")
+    call_timeout_s: float = Field(30.0, gt=0, description="deadline of each coordinator call")
+    cache_dir: str = Field("~/.cache/veriroll/node", description="where fetched checkpoints are kept")
+    checkpoint_dir: str = Field("", description="read policy versions from this local directory (vNNNNNN/ subfolders) instead of relays")
+    relays: list[str] = Field(default_factory=list, description="relay URLs to fetch from (default: the coordinator's list)")
+    keep_versions: int = Field(3, ge=1, description="checkpoint versions kept on disk")
+    display_name: str = Field("", description="name shown on the coordinator's dashboard")
+    adversary: str = Field("", description="TESTING ONLY: behave dishonestly in the named way (see `veriroll node run --help`)")
+    status_file: str = Field("", description="write a JSON status line here after every group (for launchers)")

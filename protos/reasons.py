@@ -1,0 +1,141 @@
+"""Every reason the coordinator may refuse a request, in one enum.
+
+Reasons are part of the contract: the coordinator sends the code in the ``x-veriroll-reason``
+trailer and as the prefix of the status message (``"lease_expired: ..."``), counts it per node and
+globally, and the node shows it to its operator. ``strike`` marks the reasons that only a dishonest
+or broken node produces: they count towards a ban. Clock skew, an expired lease or a stale version
+can happen to anyone and never strike.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import grpc
+
+
+class Reason(str, enum.Enum):
+    # door: envelope, identity, limits
+    UNSIGNED = "unsigned"
+    BAD_SIGNATURE = "bad_signature"
+    UNKNOWN_KEY = "unknown_key"
+    CLOCK_SKEW = "clock_skew"
+    REPLAYED_NONCE = "replayed_nonce"
+    BANNED = "banned"
+    RATE_LIMITED = "rate_limited"
+    MESSAGE_TOO_LARGE = "message_too_large"
+    MALFORMED = "malformed"
+    DEADLINE_REQUIRED = "deadline_required"
+    # lease
+    LEASE_UNKNOWN = "lease_unknown"
+    LEASE_NOT_YOURS = "lease_not_yours"
+    LEASE_EXPIRED = "lease_expired"
+    LEASE_USED = "lease_used"
+    # shape and bounds
+    WRONG_GROUP_SIZE = "wrong_group_size"
+    VERSION_MISMATCH = "version_mismatch"
+    TOO_LONG = "too_long"
+    TOKEN_OUT_OF_VOCAB = "token_out_of_vocab"
+    BAD_LOGPROBS = "bad_logprobs"
+    PROOF_TOO_LARGE = "proof_too_large"
+    BAD_FINISH = "bad_finish"
+    # staleness
+    STALE_VERSION = "stale_version"
+    # verification (TOPLOC issue)
+    TOPLOC_FAILED = "toploc_failed"
+    SAMPLING_FAILED = "sampling_failed"
+    LOGPROB_MISMATCH = "logprob_mismatch"
+    # coordinator side
+    UNAVAILABLE = "unavailable"
+    INTERNAL = "internal"
+
+    @property
+    def code(self) -> grpc.StatusCode:
+        return _CODES[self]
+
+    @property
+    def strike(self) -> bool:
+        return self in _STRIKES
+
+    @property
+    def message(self) -> str:
+        return _MESSAGES[self]
+
+
+_C = grpc.StatusCode
+_CODES = {
+    Reason.UNSIGNED: _C.UNAUTHENTICATED,
+    Reason.BAD_SIGNATURE: _C.UNAUTHENTICATED,
+    Reason.UNKNOWN_KEY: _C.UNAUTHENTICATED,
+    Reason.CLOCK_SKEW: _C.UNAUTHENTICATED,
+    Reason.REPLAYED_NONCE: _C.UNAUTHENTICATED,
+    Reason.BANNED: _C.PERMISSION_DENIED,
+    Reason.RATE_LIMITED: _C.RESOURCE_EXHAUSTED,
+    Reason.MESSAGE_TOO_LARGE: _C.RESOURCE_EXHAUSTED,
+    Reason.MALFORMED: _C.INVALID_ARGUMENT,
+    Reason.DEADLINE_REQUIRED: _C.INVALID_ARGUMENT,
+    Reason.LEASE_UNKNOWN: _C.NOT_FOUND,
+    Reason.LEASE_NOT_YOURS: _C.PERMISSION_DENIED,
+    Reason.LEASE_EXPIRED: _C.FAILED_PRECONDITION,
+    Reason.LEASE_USED: _C.ALREADY_EXISTS,
+    Reason.WRONG_GROUP_SIZE: _C.INVALID_ARGUMENT,
+    Reason.VERSION_MISMATCH: _C.INVALID_ARGUMENT,
+    Reason.TOO_LONG: _C.INVALID_ARGUMENT,
+    Reason.TOKEN_OUT_OF_VOCAB: _C.INVALID_ARGUMENT,
+    Reason.BAD_LOGPROBS: _C.INVALID_ARGUMENT,
+    Reason.PROOF_TOO_LARGE: _C.INVALID_ARGUMENT,
+    Reason.BAD_FINISH: _C.INVALID_ARGUMENT,
+    Reason.STALE_VERSION: _C.FAILED_PRECONDITION,
+    Reason.TOPLOC_FAILED: _C.PERMISSION_DENIED,
+    Reason.SAMPLING_FAILED: _C.PERMISSION_DENIED,
+    Reason.LOGPROB_MISMATCH: _C.PERMISSION_DENIED,
+    Reason.UNAVAILABLE: _C.UNAVAILABLE,
+    Reason.INTERNAL: _C.INTERNAL,
+}
+
+_STRIKES = frozenset({
+    Reason.LEASE_NOT_YOURS,
+    Reason.LEASE_USED,
+    Reason.WRONG_GROUP_SIZE,
+    Reason.VERSION_MISMATCH,
+    Reason.TOO_LONG,
+    Reason.TOKEN_OUT_OF_VOCAB,
+    Reason.BAD_LOGPROBS,
+    Reason.PROOF_TOO_LARGE,
+    Reason.BAD_FINISH,
+    Reason.TOPLOC_FAILED,
+    Reason.SAMPLING_FAILED,
+    Reason.LOGPROB_MISMATCH,
+})
+
+_MESSAGES = {
+    Reason.UNSIGNED: "the request carries no signature; sign it with your node key",
+    Reason.BAD_SIGNATURE: "the signature does not match the request body and method",
+    Reason.UNKNOWN_KEY: "this key is not registered; call Register first",
+    Reason.CLOCK_SKEW: "the request timestamp is outside the accepted window; check your system clock (NTP)",
+    Reason.REPLAYED_NONCE: "this nonce was already used; every request needs a fresh nonce",
+    Reason.BANNED: "this key is banned after repeated failed checks",
+    Reason.RATE_LIMITED: "too many requests; slow down and retry later",
+    Reason.MESSAGE_TOO_LARGE: "the request is larger than the coordinator accepts",
+    Reason.MALFORMED: "the request body is not a valid message",
+    Reason.DEADLINE_REQUIRED: "every call must carry a deadline (timeout)",
+    Reason.LEASE_UNKNOWN: "no such lease",
+    Reason.LEASE_NOT_YOURS: "this lease was issued to another node",
+    Reason.LEASE_EXPIRED: "the lease deadline has passed; its prompt went back to the pool",
+    Reason.LEASE_USED: "this lease was already submitted with different content",
+    Reason.WRONG_GROUP_SIZE: "a group must contain exactly the leased number of samples",
+    Reason.VERSION_MISMATCH: "the group was generated with another policy version than the lease names",
+    Reason.TOO_LONG: "a sample is empty or longer than the lease allows",
+    Reason.TOKEN_OUT_OF_VOCAB: "a token id is outside the model vocabulary",
+    Reason.BAD_LOGPROBS: "log-probs must be finite, <= 0 and one per token",
+    Reason.PROOF_TOO_LARGE: "a proof is larger than its token count allows",
+    Reason.BAD_FINISH: "finish reason does not match the tokens (stop token or max length)",
+    Reason.STALE_VERSION: "the policy version is too old; fetch the newest weights",
+    Reason.TOPLOC_FAILED: "the activation commitment does not match the trusted model",
+    Reason.SAMPLING_FAILED: "the tokens are not the seeded draw from the trusted logits",
+    Reason.LOGPROB_MISMATCH: "the claimed log-probs differ from the trusted ones",
+    Reason.UNAVAILABLE: "the coordinator is busy; retry later",
+    Reason.INTERNAL: "the coordinator failed to process the request; it was not accepted",
+}
+
+assert set(_CODES) == set(Reason) == set(_MESSAGES)

@@ -1,0 +1,945 @@
+"""Fetch one checkpoint version from untrusted relays and prove every byte against the coordinator's key.
+
+``fetch_version`` (async) and ``fetch_version_sync`` do, in order:
+
+1. ask every relay for ``GET /status`` (bounded by a timeout each): who is up, which versions each holds;
+2. pick the version (``latest`` = the newest any relay claims, falling back to older ones when the
+   claim cannot be backed by a valid manifest) and fetch its manifest from a relay that claims it,
+   checking the signature first, then the manifest's rules, then that its version is the one asked
+   for (a relay serving an old version under a new name is caught here);
+3. download the shards in parallel as HTTP range requests on the relays' files, choosing each shard's
+   relay at random weighted by measured throughput, success rate and load, at most a few shards per
+   relay at once; each shard is hashed while it streams and written at its offset, so memory stays at
+   about one 1 MiB chunk per download;
+4. a shard that arrives with the wrong hash or length is fetched again from another relay, and the
+   relay that served it is reported (``FetchResult.bad_relays``, and a warning in the log) and almost
+   never chosen again; timeouts, resets and 5xx answers are retried elsewhere and recorded in
+   ``FetchResult.failures``;
+5. in parallel, each file is hashed in order as its shards complete (read back from the page cache);
+6. when every file hashes right, the files are fsynced, the ready marker written, and the staging
+   directory renamed to ``out_dir`` in one step.
+
+Downloads go into ``<parent>/.<name>.shardcast-partial/`` with a journal of finished shards; a fetch
+that is interrupted (killed, disk full, relays gone) and run again skips the shards it already has.
+The final file hashes are checked in any case, so a journal that lies costs a refetch, never a bad
+checkpoint.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import hashlib
+import json
+import logging
+import os
+import random
+import re
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from urllib.parse import quote
+
+import aiohttp
+from veriroll.protos.identity import KeyFileError, PublicKey, load_public_key
+
+from .errors import (
+    ManifestError,
+    ManifestSignatureError,
+    NoRelayReachableError,
+    OutputDirError,
+    ShardcastError,
+    ShardUnavailableError,
+    VersionGoneError,
+    WrongVersionError,
+)
+from .manifest import MAX_MANIFEST_BYTES, Manifest, ShardEntry, signing_message, verify_manifest
+from .store import (
+    MANIFEST_NAME,
+    READY_NAME,
+    fsync_dir,
+    is_ready,
+    raise_if_disk_full,
+    ready_marker_bytes,
+    remove_tree,
+    write_file_durably,
+)
+
+log = logging.getLogger("veriroll.shardcast.fetch")
+
+DEFAULT_CONCURRENCY = 8
+DEFAULT_PER_RELAY = 4
+DEFAULT_CONNECT_TIMEOUT = 5.0
+DEFAULT_READ_TIMEOUT = 20.0  # seconds without a single byte before a download is abandoned
+CHUNK = 1024 * 1024
+JOURNAL_NAME = ".shardcast-progress"
+PARTIAL_SUFFIX = ".shardcast-partial"
+PRIOR_BPS = 100e6  # throughput assumed for a relay not yet measured: optimistic, so each gets tried
+BAD_PENALTY = 0.02  # weight factor per bad shard served: a relay that lied is a last resort
+EWMA_ALPHA = 0.3
+_CONTENT_RANGE = re.compile(r"bytes (\d+)-(\d+)/(\d+|\*)")
+
+
+# -- results -----------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RelayIncident:
+    """Something a relay did wrong. ``kind`` is a short tag: for bad relays ``hash-mismatch``,
+    ``wrong-length``, ``bad-signature``, ``wrong-version``, ``invalid-manifest``; for failures
+    ``timeout``, ``connection``, ``truncated``, ``http-<status>``, ``gone``."""
+
+    relay: str
+    kind: str
+    shard: int | None
+    detail: str
+
+
+@dataclass
+class RelayStats:
+    """What one relay did for this fetch."""
+
+    url: str
+    reachable: bool = False
+    versions: list[int] = field(default_factory=list)
+    bytes: int = 0
+    shards: int = 0
+    failures: int = 0
+    bad: int = 0
+    throughput_bps: float | None = None
+
+
+@dataclass
+class FetchResult:
+    """A complete, verified checkpoint at ``path`` (the ready marker is written)."""
+
+    version: int
+    path: Path
+    manifest: Manifest
+    already_present: bool
+    bytes_downloaded: int  # bytes of shards accepted in this call
+    bytes_reused: int  # bytes of shards kept from an interrupted earlier call
+    shards_downloaded: int
+    shards_reused: int
+    seconds: float
+    bad_relays: list[RelayIncident]
+    failures: list[RelayIncident]
+    relays: dict[str, RelayStats]
+
+    @property
+    def bad_relay_urls(self) -> set[str]:
+        return {i.relay for i in self.bad_relays}
+
+
+# -- relay state -------------------------------------------------------------------------------------
+
+
+class _Relay:
+    def __init__(self, url: str):
+        self.url = url
+        self.stats = RelayStats(url)
+        self.holds: set[int] = set()
+        self.gone: set[int] = set()  # versions it answered 404 for during this fetch
+        self.successes = 0
+        self.failures = 0
+        self.bad_events = 0
+        self.consecutive_conn_failures = 0
+        self.inflight = 0
+        self.ewma_bps: float | None = None
+
+    @property
+    def reachable(self) -> bool:
+        return self.stats.reachable
+
+    def has(self, version: int) -> bool:
+        return self.reachable and version in self.holds and version not in self.gone
+
+    def weight(self, prior_bps: float) -> float:
+        score = (self.successes + 1) / (self.successes + self.failures + 2)
+        bps = self.ewma_bps if self.ewma_bps is not None else prior_bps
+        return score * bps * (BAD_PENALTY**self.bad_events) / (1 + self.inflight)
+
+    def record_success(self, nbytes: int, seconds: float) -> None:
+        self.successes += 1
+        self.consecutive_conn_failures = 0
+        bps = nbytes / max(seconds, 1e-6)
+        self.ewma_bps = bps if self.ewma_bps is None else (1 - EWMA_ALPHA) * self.ewma_bps + EWMA_ALPHA * bps
+        self.stats.bytes += nbytes
+        self.stats.shards += 1
+        self.stats.throughput_bps = self.ewma_bps
+
+
+class _Failure(Exception):
+    """A download attempt failed; ``bad`` when the relay served wrong data (not just a flaky network)."""
+
+    def __init__(self, kind: str, detail: str, *, bad: bool = False, connection: bool = False):
+        super().__init__(detail)
+        self.kind, self.detail, self.bad, self.connection = kind, detail, bad, connection
+
+
+def normalize_relay_url(url: str) -> str:
+    url = url.strip().rstrip("/")
+    if not re.match(r"https?://", url):
+        url = "http://" + url
+    return url
+
+
+# -- seams: the two places bytes touch the disk, so tests can fill it ------------------------------------
+
+
+def _write_at(fd: int, data: bytes, offset: int) -> None:
+    view = memoryview(data)
+    while view:
+        n = os.pwrite(fd, view, offset)
+        view, offset = view[n:], offset + n
+
+
+def _hash_and_write(hasher, fd: int, data: bytes, offset: int) -> None:
+    hasher.update(data)  # hashlib releases the GIL on large buffers: this runs beside the event loop
+    _write_at(fd, data, offset)
+
+
+def _hash_range(hasher, fd: int, offset: int, size: int) -> None:
+    end = offset + size
+    while offset < end:
+        data = os.pread(fd, min(CHUNK, end - offset), offset)
+        if not data:
+            raise OSError(errno.EIO, "file shorter than expected while hashing")
+        hasher.update(data)
+        offset += len(data)
+
+
+def _sha256_range(fd: int, offset: int, size: int) -> str:
+    h = hashlib.sha256()
+    _hash_range(h, fd, offset, size)
+    return h.hexdigest()
+
+
+# -- the fetch ---------------------------------------------------------------------------------------
+
+
+class _Fetch:
+    def __init__(
+        self,
+        relays: Sequence[str],
+        key: PublicKey,
+        out_dir: Path,
+        version: int | str,
+        *,
+        min_version: int | None,
+        concurrency: int,
+        per_relay: int,
+        connect_timeout: float,
+        read_timeout: float,
+        max_attempts: int | None,
+        fsync: bool,
+        progress: bool | None,
+        on_progress: Callable[[int, int], None] | None,
+        session: aiohttp.ClientSession | None,
+    ):
+        if not relays:
+            raise ValueError("give at least one relay URL")
+        urls = list(dict.fromkeys(normalize_relay_url(r) for r in relays))
+        self.relays = [_Relay(u) for u in urls]
+        self.key = key
+        self.out_dir = out_dir
+        self.version_arg = version
+        self.min_version = min_version
+        self.concurrency = max(1, concurrency)
+        self.per_relay = max(1, per_relay)
+        self.timeout = aiohttp.ClientTimeout(
+            total=None, sock_connect=connect_timeout, sock_read=read_timeout, connect=connect_timeout * 2
+        )
+        # the status probe and manifests are small: bound them as a whole
+        self.small_timeout = aiohttp.ClientTimeout(total=connect_timeout + read_timeout)
+        self.max_attempts = max_attempts or max(5, 3 * len(self.relays))
+        self.fsync = fsync
+        self.show_progress = sys.stderr.isatty() if progress is None else progress
+        self.on_progress = on_progress
+        self.own_session = session is None
+        self.session = session
+        self.bad: list[RelayIncident] = []
+        self.failures: list[RelayIncident] = []
+        self.staging = out_dir.parent / f".{out_dir.name}{PARTIAL_SUFFIX}"
+        self.done_bytes = 0
+
+    # ---- incidents
+
+    def _report(self, relay: _Relay, kind: str, shard: int | None, detail: str, *, bad: bool) -> None:
+        incident = RelayIncident(relay.url, kind, shard, detail)
+        if bad:
+            relay.bad_events += 1
+            relay.stats.bad += 1
+            self.bad.append(incident)
+            where = f"shard {shard}" if shard is not None else "the manifest"
+            log.warning("relay %s served bad data (%s, %s): %s; avoiding it", relay.url, kind, where, detail)
+        else:
+            relay.failures += 1
+            relay.stats.failures += 1
+            self.failures.append(incident)
+            log.info("relay %s failed (%s, shard %s): %s", relay.url, kind, shard, detail)
+
+    # ---- discovery
+
+    async def _probe(self, relay: _Relay) -> None:
+        try:
+            async with self.session.get(f"{relay.url}/status", timeout=self.small_timeout) as resp:
+                if resp.status != 200:
+                    raise _Failure(f"http-{resp.status}", f"GET /status answered {resp.status}")
+                body = await _read_capped(resp, 1024 * 1024)
+            status = json.loads(body)
+            versions = status.get("versions") if isinstance(status, dict) else None
+            if not isinstance(versions, list) or not all(
+                isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in versions
+            ):
+                raise _Failure("bad-status", "GET /status did not list versions as integers")
+        except _Failure as exc:
+            self._report(relay, exc.kind, None, exc.detail, bad=False)
+            return
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, OSError) as exc:
+            self._report(relay, _kind_of(exc), None, f"GET /status: {_describe(exc)}", bad=False)
+            return
+        relay.stats.reachable = True
+        relay.holds = set(versions)
+        relay.stats.versions = sorted(versions)
+
+    async def _manifest_from(self, relay: _Relay, version: int) -> tuple[Manifest, bytes] | None:
+        url = f"{relay.url}/versions/{version}/manifest"
+        try:
+            async with self.session.get(url, timeout=self.small_timeout) as resp:
+                if resp.status == 404:
+                    relay.gone.add(version)
+                    self._report(relay, "gone", None, f"version {version} manifest: 404", bad=False)
+                    return None
+                if resp.status != 200:
+                    self._report(relay, f"http-{resp.status}", None, f"manifest answered {resp.status}", bad=False)
+                    return None
+                data = await _read_capped(resp, MAX_MANIFEST_BYTES)
+        except _Failure as exc:
+            self._report(relay, exc.kind, None, f"manifest: {exc.detail}", bad=False)
+            return None
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+            self._report(relay, _kind_of(exc), None, f"manifest: {_describe(exc)}", bad=False)
+            return None
+        try:
+            manifest = verify_manifest(data, self.key, expect_version=version)
+        except ManifestSignatureError as exc:
+            self._report(relay, "bad-signature", None, str(exc), bad=True)
+            raise
+        except WrongVersionError as exc:
+            self._report(relay, "wrong-version", None, f"listed as version {version}: {exc}", bad=True)
+            raise
+        except ManifestError as exc:
+            self._report(relay, "invalid-manifest", None, str(exc), bad=True)
+            raise
+        return manifest, data
+
+    async def _resolve(self) -> tuple[Manifest, bytes]:
+        await asyncio.gather(*(self._probe(r) for r in self.relays))
+        up = [r for r in self.relays if r.reachable]
+        if not up:
+            details = "; ".join(f"{i.relay}: {i.detail}" for i in self.failures) or "no answer"
+            raise NoRelayReachableError(
+                f"none of the {len(self.relays)} relays answered ({details}); check the URLs and that "
+                "the relays are running"
+            )
+        if self.version_arg == "latest":
+            claimed = sorted({v for r in up for v in r.holds}, reverse=True)
+            if self.min_version is not None:
+                claimed = [v for v in claimed if v >= self.min_version]
+        else:
+            claimed = [int(self.version_arg)]
+        sig_errors: list[str] = []
+        invalid: list[str] = []
+        for version in claimed:
+            holders = [r for r in up if r.has(version)]
+            random.shuffle(holders)
+            for relay in holders:
+                try:
+                    got = await self._manifest_from(relay, version)
+                except ManifestSignatureError as exc:
+                    sig_errors.append(f"{relay.url}: {exc}")
+                    continue
+                except ManifestError as exc:
+                    invalid.append(f"{relay.url}: {exc}")
+                    continue
+                if got is not None:
+                    return got
+        wanted = self.version_arg if self.version_arg != "latest" else "the latest version"
+        if sig_errors:
+            raise ManifestSignatureError(
+                f"no relay served a manifest for {wanted} signed by the coordinator key; " + "; ".join(sig_errors)
+            )
+        if invalid:
+            raise ManifestError(f"every manifest served for {wanted} was refused: " + "; ".join(invalid))
+        floor = f" (at least version {self.min_version})" if self.min_version is not None else ""
+        held = {r.url: sorted(r.holds) for r in up}
+        raise VersionGoneError(
+            f"no reachable relay holds {wanted}{floor}; they hold {held}. The version was never published "
+            "or was pruned everywhere: fetch a newer one"
+        )
+
+    # ---- output directory
+
+    def _check_out_dir(self) -> None:
+        out = self.out_dir
+        if out.exists() and not out.is_dir():
+            raise OutputDirError(f"{out} exists and is not a directory")
+        if out.is_dir() and not is_ready(out) and any(out.iterdir()):
+            raise OutputDirError(
+                f"{out} exists, is not empty and is not a shardcast checkpoint; refusing to replace it "
+                "(choose an empty or new directory)"
+            )
+
+    def _already_present(self, manifest: Manifest) -> bool:
+        if not is_ready(self.out_dir):
+            return False
+        try:
+            held = verify_manifest((self.out_dir / MANIFEST_NAME).read_bytes(), self.key)
+        except (OSError, ShardcastError):
+            return False
+        return signing_message(held) == signing_message(manifest)
+
+    def _prepare_staging(self, manifest: Manifest, manifest_bytes: bytes) -> set[int]:
+        """Create or reuse the staging directory; the set of shards an earlier run already finished."""
+        done: set[int] = set()
+        staged = self.staging / MANIFEST_NAME
+        if staged.is_file():
+            try:
+                old = verify_manifest(staged.read_bytes(), self.key)
+                same = signing_message(old) == signing_message(manifest)
+            except (OSError, ShardcastError):
+                same = False
+            if same:
+                with contextlib.suppress(OSError):
+                    for line in (self.staging / JOURNAL_NAME).read_text().split():
+                        if line.isdigit() and int(line) < len(manifest.shards):
+                            done.add(int(line))
+            else:
+                log.info("discarding %s: it holds a different version", self.staging)
+                remove_tree(self.staging)
+        elif self.staging.exists():
+            remove_tree(self.staging)
+        try:
+            self.staging.mkdir(parents=True, exist_ok=True)
+            if not staged.is_file():
+                write_file_durably(staged, manifest_bytes)
+            (self.staging / READY_NAME).unlink(missing_ok=True)
+        except OSError as exc:
+            raise_if_disk_full(exc, self.staging)
+            raise
+        return done
+
+    def _open_files(self, manifest: Manifest) -> dict[str, int]:
+        fds: dict[str, int] = {}
+        try:
+            for f in manifest.files:
+                path = self.staging / f.name
+                path.parent.mkdir(parents=True, exist_ok=True)
+                fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+                fds[f.name] = fd
+                if f.size:
+                    # Reserve the space now: a full disk is reported before the download, not after.
+                    try:
+                        os.posix_fallocate(fd, 0, f.size)
+                    except OSError as exc:
+                        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                            raise
+                        # EOPNOTSUPP/EINVAL: the filesystem cannot reserve; writes will tell
+                os.ftruncate(fd, f.size)
+        except OSError as exc:
+            for fd in fds.values():
+                os.close(fd)
+            raise_if_disk_full(exc, self.staging)
+            raise
+        return fds
+
+    def _finish(self, manifest: Manifest, manifest_bytes: bytes, fds: dict[str, int]) -> None:
+        """fsync, write the ready marker, and move the staging directory to ``out_dir`` atomically."""
+        try:
+            if self.fsync:
+                for fd in fds.values():
+                    os.fsync(fd)
+            write_file_durably(
+                self.staging / READY_NAME,
+                ready_marker_bytes(manifest.version, hashlib.sha256(manifest_bytes).hexdigest()),
+            )
+            (self.staging / JOURNAL_NAME).unlink(missing_ok=True)
+            if self.fsync:
+                fsync_dir(self.staging)
+        except OSError as exc:
+            raise_if_disk_full(exc, self.staging)
+            raise
+        out = self.out_dir
+        old = None
+        if out.is_dir():
+            if any(out.iterdir()):
+                old = out.with_name(f".{out.name}.replaced-{os.getpid()}")
+                os.rename(out, old)
+            else:
+                out.rmdir()
+        os.rename(self.staging, out)
+        if self.fsync:
+            fsync_dir(out.parent)
+        if old is not None:
+            remove_tree(old)
+
+    # ---- choosing a relay
+
+    def _choose(self, version: int, shard: int, tried: set[str], bad_for: set[str]) -> _Relay | None | bool:
+        """A relay for ``shard``; None when all candidates are busy; False when none is left untried."""
+        candidates = [r for r in self.relays if r.has(version) and r.url not in tried and r.url not in bad_for]
+        if not candidates:
+            return False
+        free = [r for r in candidates if r.inflight < self.per_relay]
+        if not free:
+            return None
+        known = [r.ewma_bps for r in self.relays if r.ewma_bps is not None]
+        prior = max(known) if known else PRIOR_BPS
+        weights = [r.weight(prior) for r in free]
+        return random.choices(free, weights=weights)[0]
+
+    # ---- one shard
+
+    async def _download(
+        self, relay: _Relay, manifest: Manifest, shard: ShardEntry, fd: int, counted: list[int]
+    ) -> None:
+        entry = manifest.file(shard.file)
+        url = f"{relay.url}/versions/{manifest.version}/files/{quote(shard.file)}"
+        headers = {"Range": f"bytes={shard.offset}-{shard.end - 1}", "Accept-Encoding": "identity"}
+        loop = asyncio.get_running_loop()
+        try:
+            async with self.session.get(url, headers=headers, timeout=self.timeout) as resp:
+                if resp.status == 404:
+                    relay.gone.add(manifest.version)
+                    raise _Failure("gone", f"{resp.status} for {shard.file}")
+                if resp.status == 206:
+                    m = _CONTENT_RANGE.fullmatch(resp.headers.get("Content-Range", ""))
+                    if not m or (int(m.group(1)), int(m.group(2))) != (shard.offset, shard.end - 1):
+                        raise _Failure(
+                            "wrong-length",
+                            f"asked bytes {shard.offset}-{shard.end - 1}, got Content-Range "
+                            f"{resp.headers.get('Content-Range')!r}",
+                            bad=True,
+                        )
+                elif resp.status == 200:
+                    if not (shard.offset == 0 and shard.size == entry.size):
+                        raise _Failure("http-200", "relay ignored the Range header")
+                else:
+                    raise _Failure(f"http-{resp.status}", f"answered {resp.status} for {shard.file}")
+                length = resp.content_length
+                if length is not None and length != shard.size:
+                    raise _Failure(
+                        "wrong-length", f"announced {length} bytes for a shard of {shard.size}", bad=True
+                    )
+                t0 = time.monotonic()
+                hasher = hashlib.sha256()
+                pos, pending = 0, None
+                try:
+                    while pos < shard.size:
+                        try:
+                            data = await resp.content.readexactly(min(CHUNK, shard.size - pos))
+                        except asyncio.IncompleteReadError as exc:
+                            raise _Failure(
+                                "truncated", f"stream ended after {pos + len(exc.partial)} of {shard.size} bytes"
+                            ) from exc
+                        if pending is not None:
+                            await pending
+                        pending = loop.run_in_executor(
+                            None, _hash_and_write, hasher, fd, data, shard.offset + pos
+                        )
+                        pos += len(data)
+                        counted[0] += len(data)
+                        self._advance(len(data))
+                    if pending is not None:
+                        await pending
+                        pending = None
+                finally:
+                    if pending is not None:
+                        with contextlib.suppress(Exception):
+                            await pending
+                if length is None and await resp.content.read(1):
+                    raise _Failure("wrong-length", f"sent more than the shard's {shard.size} bytes", bad=True)
+                digest = hasher.hexdigest()
+                if digest != shard.sha256:
+                    raise _Failure(
+                        "hash-mismatch", f"sha256 {digest[:16]}… instead of {shard.sha256[:16]}…", bad=True
+                    )
+                relay.record_success(shard.size, time.monotonic() - t0)
+        except asyncio.TimeoutError as exc:  # also aiohttp's ServerTimeoutError (connect or read)
+            raise _Failure("timeout", f"{_describe(exc)} (read timeout {self.timeout.sock_read} s)") from exc
+        except aiohttp.ClientPayloadError as exc:
+            raise _Failure("truncated", _describe(exc)) from exc
+        except aiohttp.ClientError as exc:
+            raise _Failure(_kind_of(exc), _describe(exc), connection=_is_connection(exc)) from exc
+        except OSError as exc:  # from our own writes
+            raise_if_disk_full(exc, self.staging / shard.file)
+            raise
+
+    def _advance(self, n: int) -> None:
+        self.done_bytes += n
+        if self._bar is not None:
+            self._bar[0].update(self._bar[1], advance=n)
+        if self.on_progress is not None:
+            self.on_progress(self.done_bytes, self.total_bytes)
+
+    # ---- the whole download
+
+    async def _download_all(self, manifest: Manifest, fds: dict[str, int], todo: list[int]) -> int:
+        """Download the shards in ``todo``; returns how many bytes were accepted."""
+        version = manifest.version
+        pending = list(todo)
+        tried: dict[int, set[str]] = {i: set() for i in todo}
+        bad_for: dict[int, set[str]] = {i: set() for i in todo}
+        attempts: dict[int, int] = dict.fromkeys(todo, 0)
+        rounds: dict[int, int] = dict.fromkeys(todo, 0)
+        retry_at: dict[int, float] = {}
+        active: dict[asyncio.Task, tuple[int, _Relay, list[int]]] = {}
+        accepted = 0
+        try:
+            while pending or active:
+                now = time.monotonic()
+                launched = True
+                while launched and len(active) < self.concurrency:
+                    launched = False
+                    for idx in pending:
+                        if retry_at.get(idx, 0.0) > now:
+                            continue
+                        choice = self._choose(version, idx, tried[idx], bad_for[idx])
+                        if choice is False:
+                            if not any(r.has(version) for r in self.relays):
+                                self._raise_nothing_left(version)
+                            if attempts[idx] >= self.max_attempts:
+                                self._raise_unavailable(manifest, idx, attempts[idx])
+                            rounds[idx] += 1
+                            tried[idx] = set()
+                            retry_at[idx] = now + min(5.0, 0.25 * 2 ** (rounds[idx] - 1))
+                            continue
+                        if choice is None:
+                            continue
+                        pending.remove(idx)
+                        choice.inflight += 1
+                        attempts[idx] += 1
+                        shard = manifest.shards[idx]
+                        counted = [0]
+                        task = asyncio.create_task(
+                            self._download(choice, manifest, shard, fds[shard.file], counted)
+                        )
+                        active[task] = (idx, choice, counted)
+                        launched = True
+                        break
+                if not active:
+                    if not pending:
+                        break
+                    wait = max(0.0, min(retry_at.get(i, now) for i in pending) - time.monotonic())
+                    await asyncio.sleep(min(wait, 5.0) if wait > 0 else 0.05)
+                    continue
+                future_retries = [t for i in pending if (t := retry_at.get(i, 0.0)) > now]
+                timeout = max(0.0, min(future_retries) - now) if future_retries else None
+                done, _ = await asyncio.wait(active, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+                for task in done:
+                    idx, relay, counted = active.pop(task)
+                    relay.inflight -= 1
+                    shard = manifest.shards[idx]
+                    exc = task.exception()
+                    if exc is None:
+                        accepted += shard.size
+                        self._mark_done(idx)
+                        continue
+                    if not isinstance(exc, _Failure):
+                        raise exc
+                    self._advance(-counted[0])  # the progress counted bytes that were thrown away
+                    self._report(relay, exc.kind, idx, exc.detail, bad=exc.bad)
+                    if exc.connection:
+                        relay.consecutive_conn_failures += 1
+                        if relay.consecutive_conn_failures >= 3:
+                            relay.stats.reachable = False
+                            log.warning("relay %s stopped answering; no longer used", relay.url)
+                    tried[idx].add(relay.url)
+                    if exc.bad:
+                        bad_for[idx].add(relay.url)
+                    pending.insert(0, idx)
+        finally:
+            for task in active:
+                task.cancel()
+            if active:
+                await asyncio.gather(*active, return_exceptions=True)
+        return accepted
+
+    def _raise_nothing_left(self, version: int) -> None:
+        if any(version in r.gone for r in self.relays):
+            raise VersionGoneError(
+                f"version {version} disappeared from every relay during the fetch (pruned); fetch a newer one"
+            )
+        raise NoRelayReachableError(
+            f"every relay holding version {version} stopped answering during the fetch; run again to resume"
+        )
+
+    def _raise_unavailable(self, manifest: Manifest, idx: int, attempts: int) -> None:
+        shard = manifest.shards[idx]
+        recent = [f"{i.relay}: {i.kind} ({i.detail})" for i in self.bad + self.failures if i.shard == idx][-6:]
+        raise ShardUnavailableError(
+            f"shard {idx} ({shard.file} @ {shard.offset}, {shard.size} bytes) failed {attempts} times on every "
+            f"relay holding version {manifest.version}: {'; '.join(recent)}. Run again to resume, or add relays"
+        )
+
+    def _mark_done(self, idx: int) -> None:
+        self.done.add(idx)
+        try:
+            os.write(self.journal_fd, f"{idx}\n".encode())
+        except OSError as exc:
+            raise_if_disk_full(exc, self.staging / JOURNAL_NAME)
+            raise
+        self.file_event.set()
+
+    async def _hash_files(self, manifest: Manifest, fds: dict[str, int]) -> dict[str, str]:
+        """Hash each file in order as its shards complete; returns name -> sha256 hex."""
+        loop = asyncio.get_running_loop()
+        order = {f.name: [s.index for s in manifest.shards_of(f.name)] for f in manifest.files}
+        hashers = {name: hashlib.sha256() for name in order}
+        nxt = dict.fromkeys(order, 0)
+        while True:
+            progressed = False
+            for name, idxs in order.items():
+                while nxt[name] < len(idxs) and idxs[nxt[name]] in self.done:
+                    s = manifest.shards[idxs[nxt[name]]]
+                    await loop.run_in_executor(None, _hash_range, hashers[name], fds[name], s.offset, s.size)
+                    nxt[name] += 1
+                    progressed = True
+            if all(nxt[n] == len(i) for n, i in order.items()):
+                return {name: h.hexdigest() for name, h in hashers.items()}
+            if not progressed:
+                await self.file_event.wait()
+                self.file_event.clear()
+
+    async def _find_bad_shards(self, manifest: Manifest, fds: dict[str, int], names: list[str]) -> list[int]:
+        loop = asyncio.get_running_loop()
+        bad = []
+        for name in names:
+            for s in manifest.shards_of(name):
+                digest = await loop.run_in_executor(None, _sha256_range, fds[name], s.offset, s.size)
+                if digest != s.sha256:
+                    bad.append(s.index)
+        return bad
+
+    async def run(self) -> FetchResult:
+        t0 = time.monotonic()
+        self._bar = None
+        if self.own_session:
+            self.session = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=self.concurrency + len(self.relays) + 4),
+                auto_decompress=False,
+                trust_env=False,
+            )
+        try:
+            self._check_out_dir()
+            manifest, manifest_bytes = await self._resolve()
+            stats = {r.url: r.stats for r in self.relays}
+            if self._already_present(manifest):
+                return FetchResult(
+                    manifest.version, self.out_dir, manifest, True, 0, 0, 0, 0,
+                    time.monotonic() - t0, self.bad, self.failures, stats,
+                )  # fmt: skip
+            return await self._fetch(manifest, manifest_bytes, t0, stats)
+        finally:
+            if self.own_session and self.session is not None:
+                await self.session.close()
+
+    async def _fetch(self, manifest: Manifest, manifest_bytes: bytes, t0: float, stats) -> FetchResult:
+        loop = asyncio.get_running_loop()
+        reused = await loop.run_in_executor(None, self._prepare_staging, manifest, manifest_bytes)
+        fds = await loop.run_in_executor(None, self._open_files, manifest)
+        self.done: set[int] = set(reused)
+        self.file_event = asyncio.Event()
+        self.total_bytes = manifest.total_size
+        reused_bytes = sum(manifest.shards[i].size for i in reused)
+        self.done_bytes = reused_bytes
+        progress_ctx = contextlib.nullcontext()
+        if self.show_progress:
+            from rich.console import Console
+            from rich.progress import (
+                BarColumn,
+                DownloadColumn,
+                Progress,
+                TextColumn,
+                TimeRemainingColumn,
+                TransferSpeedColumn,
+            )
+
+            bar = Progress(
+                TextColumn(f"version {manifest.version}"),
+                BarColumn(),
+                DownloadColumn(),
+                TransferSpeedColumn(),
+                TimeRemainingColumn(),
+                console=Console(stderr=True),
+                transient=False,
+            )
+            self._bar = (bar, bar.add_task("fetch", total=manifest.total_size, completed=reused_bytes))
+            progress_ctx = bar
+        downloaded = 0
+        fetched_shards = 0
+        try:
+            self.journal_fd = os.open(self.staging / JOURNAL_NAME, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+            with progress_ctx:
+                todo = [s.index for s in manifest.shards if s.index not in self.done]
+                for _repair in range(2):
+                    hashing = asyncio.create_task(self._hash_files(manifest, fds))
+                    try:
+                        downloaded += await self._download_all(manifest, fds, todo)
+                        fetched_shards += len(todo)
+                        digests = await hashing
+                    finally:
+                        if not hashing.done():
+                            hashing.cancel()
+                            with contextlib.suppress(BaseException):
+                                await hashing
+                    wrong = [f.name for f in manifest.files if digests[f.name] != f.sha256]
+                    if not wrong:
+                        break
+                    # Only possible when bytes on disk differ from the bytes hashed on arrival (a lying
+                    # journal from an earlier run, or the disk itself): find those shards and refetch them.
+                    log.warning("files %s hash wrong on disk; rechecking their shards", wrong)
+                    todo = await self._find_bad_shards(manifest, fds, wrong)
+                    self.done -= set(todo)
+                    reused_bytes -= sum(manifest.shards[i].size for i in todo if i in reused)
+                    reused -= set(todo)
+                else:
+                    raise ShardUnavailableError(
+                        f"files {wrong} still hash wrong after refetching their shards: the disk under "
+                        f"{self.staging} may be failing"
+                    )
+                await loop.run_in_executor(None, self._finish, manifest, manifest_bytes, fds)
+        finally:
+            with contextlib.suppress(OSError, AttributeError):
+                os.close(self.journal_fd)
+            for fd in fds.values():
+                os.close(fd)
+        seconds = time.monotonic() - t0
+        log.info(
+            "fetched version %d into %s: %d bytes downloaded, %d reused, %.2f s, bad relays: %s",
+            manifest.version, self.out_dir, downloaded, reused_bytes, seconds,
+            sorted({i.relay for i in self.bad}) or "none",
+        )  # fmt: skip
+        return FetchResult(
+            version=manifest.version,
+            path=self.out_dir,
+            manifest=manifest,
+            already_present=False,
+            bytes_downloaded=downloaded,
+            bytes_reused=reused_bytes,
+            shards_downloaded=fetched_shards,
+            shards_reused=len(reused),
+            seconds=seconds,
+            bad_relays=list(self.bad),
+            failures=list(self.failures),
+            relays=stats,
+        )
+
+
+async def _read_capped(resp: aiohttp.ClientResponse, cap: int) -> bytes:
+    """The whole body, or a _Failure when it is longer than ``cap`` (a relay must not make us buffer more)."""
+    if resp.content_length is not None and resp.content_length > cap:
+        raise _Failure("too-large", f"body of {resp.content_length} bytes, more than {cap}")
+    parts, size = [], 0
+    while chunk := await resp.content.read(65536):
+        size += len(chunk)
+        if size > cap:
+            raise _Failure("too-large", f"body longer than {cap} bytes")
+        parts.append(chunk)
+    return b"".join(parts)
+
+
+def _kind_of(exc: BaseException) -> str:
+    if isinstance(exc, asyncio.TimeoutError | aiohttp.ServerTimeoutError):
+        return "timeout"
+    if isinstance(exc, aiohttp.ClientPayloadError):
+        return "truncated"
+    return "connection"
+
+
+def _is_connection(exc: BaseException) -> bool:
+    return isinstance(exc, aiohttp.ClientConnectionError) and not isinstance(exc, aiohttp.ServerTimeoutError)
+
+
+def _describe(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+
+
+def _load_key(key: PublicKey | str | os.PathLike) -> PublicKey:
+    if isinstance(key, PublicKey):
+        return key
+    try:
+        return load_public_key(key)
+    except KeyFileError as exc:
+        raise ManifestSignatureError(f"cannot load the coordinator key: {exc}") from exc
+
+
+def _parse_version(version: int | str) -> int | str:
+    if version == "latest":
+        return version
+    if isinstance(version, int) and not isinstance(version, bool) and version >= 0:
+        return version
+    if isinstance(version, str) and version.isdigit():
+        return int(version)
+    raise ValueError(f"version must be a non-negative integer or 'latest', got {version!r}")
+
+
+async def fetch_version(
+    relays: Sequence[str],
+    coordinator_key: PublicKey | str | os.PathLike,
+    out_dir: str | os.PathLike,
+    version: int | str = "latest",
+    *,
+    min_version: int | None = None,
+    concurrency: int = DEFAULT_CONCURRENCY,
+    per_relay: int = DEFAULT_PER_RELAY,
+    connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
+    read_timeout: float = DEFAULT_READ_TIMEOUT,
+    max_attempts: int | None = None,
+    fsync: bool = True,
+    progress: bool | None = None,
+    on_progress: Callable[[int, int], None] | None = None,
+    session: aiohttp.ClientSession | None = None,
+) -> FetchResult:
+    """Fetch ``version`` (an integer, or ``"latest"``) from ``relays`` into ``out_dir``, verified.
+
+    ``coordinator_key`` is the PublicKey the manifest must be signed by, or the path of its ``.pub``
+    file. ``out_dir`` becomes the checkpoint directory (HF files plus the manifest and ready marker);
+    it must be new, empty, or an earlier shardcast checkpoint, which is replaced atomically.
+    ``min_version`` refuses anything older when asking for ``latest`` (a relay cannot pass an old
+    version off as the newest one if the caller knows how new it must be). ``concurrency`` shards
+    download at once, at most ``per_relay`` from one relay. ``read_timeout`` is how long a connection
+    may stay silent before the download is abandoned and retried elsewhere. ``progress``: a rich
+    progress bar on stderr (None: only when stderr is a terminal). ``on_progress(done, total)`` is
+    called with byte counts as data arrives.
+
+    Returns a FetchResult; raises NoRelayReachableError, ManifestSignatureError, VersionGoneError,
+    ShardUnavailableError, ManifestError, DiskFullError or OutputDirError. A failed fetch never leaves
+    ``out_dir`` marked ready with anything but a complete, verified checkpoint; run it again to resume.
+    """
+    fetch = _Fetch(
+        relays,
+        _load_key(coordinator_key),
+        Path(out_dir).absolute(),
+        _parse_version(version),
+        min_version=min_version,
+        concurrency=concurrency,
+        per_relay=per_relay,
+        connect_timeout=connect_timeout,
+        read_timeout=read_timeout,
+        max_attempts=max_attempts,
+        fsync=fsync,
+        progress=progress,
+        on_progress=on_progress,
+        session=session,
+    )
+    return await fetch.run()
+
+
+def fetch_version_sync(*args, **kwargs) -> FetchResult:
+    """:func:`fetch_version` for code without an event loop (same arguments, same errors)."""
+    return asyncio.run(fetch_version(*args, **kwargs))
