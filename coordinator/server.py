@@ -30,7 +30,7 @@ GRPC_HARD_CAP_FACTOR = 4
 
 class _Edge(grpc.GenericRpcHandler):
     def __init__(self, service: CoordinatorService):
-        self.service = service
+        self.svc = service
         self._handlers = {
             full_method(name): grpc.unary_unary_rpc_method_handler(
                 self._make(name), request_deserializer=None, response_serializer=lambda m: m.SerializeToString())
@@ -40,13 +40,13 @@ class _Edge(grpc.GenericRpcHandler):
     def service_name(self) -> str:
         return SERVICE
 
-    def service(self, handler_call_details):  # noqa: F811 - grpc's API name
+    def service(self, handler_call_details):
         return self._handlers.get(handler_call_details.method)
 
     def _make(self, name: str):
         request_type = METHODS[name][0]
         method = full_method(name)
-        svc = self.service
+        svc = self.svc
         impl = {
             "Register": None,
             "Heartbeat": svc.heartbeat,

@@ -449,7 +449,5 @@ class CoordinatorService:
 
 
 def encode_prompt(tokenizer, text: str) -> list[int]:
-    """Token ids of a prompt as the policy sees it: BOS (when the tokenizer has one) + the characters."""
-    ids = tokenizer.encode(text, add_special_tokens=False)
-    bos = getattr(tokenizer, "bos_token_id", None)
-    return ([bos] if bos is not None else []) + list(ids)
+    """Token ids of a prompt exactly as the warm start formatted it (the tokenizer adds BOS)."""
+    return list(tokenizer(text).input_ids)
