@@ -159,7 +159,7 @@ async def _housekeeping(coord: Coordinator) -> None:
     while True:
         try:
             now = coord.service.clock()
-            expired = await coord.db.run(lambda c: coord.service.expire_leases(c, now))
+            expired = await coord.db.run(lambda c, now=now: coord.service.expire_leases(c, now))
             if expired:
                 coord.service.metrics.leases_expired.inc(expired)
             await coord.service.refresh_gauges()

@@ -1,0 +1,299 @@
+"""The coordinator's edge over a real TLS socket: every kind of bad input gets its status code and
+reason, is counted, and changes nothing in the store; honest traffic is accepted durably."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import grpc
+import numpy as np
+import pytest
+from support import channel_to, make_coordinator_dir, node_client, running_coordinator
+
+from veriroll.coordinator import store as st
+from veriroll.protos.envelope import sign_request
+from veriroll.protos.identity import PrivateKey
+from veriroll.protos.service import CallError, SignedStub, full_method
+from veriroll.protos.v1 import coordinator_pb2 as pb
+
+
+def shaped_group(lease: pb.Lease, *, n: int | None = None, token: int = 5, logprob: float = -1.0) -> pb.SubmitGroupRequest:
+    """A group with the right shape for ``lease`` (content is not verified in these tests)."""
+    n = lease.group_size if n is None else n
+    samples = [pb.Sample(token_ids=[token + (i % 3)] * lease.max_new_tokens,
+                         logprobs=np.full(lease.max_new_tokens, logprob, dtype="<f4").tobytes(),
+                         proof=b"p" * 16, finish_reason="length") for i in range(n)]
+    return pb.SubmitGroupRequest(lease_id=lease.lease_id, policy_version=lease.policy_version, samples=samples)
+
+
+def summary(coord) -> dict:
+    return coord.db.run_sync(st.status_summary)
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+@pytest.fixture()
+def base(tmp_path):
+    return make_coordinator_dir(tmp_path)
+
+
+async def expect_refusal(awaitable, code: grpc.StatusCode, reason: str):
+    with pytest.raises(CallError) as info:
+        await awaitable
+    assert info.value.code == code, info.value
+    assert info.value.reason == reason, info.value
+    return info.value
+
+
+def test_honest_group_is_accepted_and_durable(base):
+    async def scenario():
+        async with running_coordinator(base) as coord, node_client(coord) as stub:
+            resp = await stub.lease_work(pb.LeaseRequest(max_leases=1))
+            assert len(resp.leases) == 1
+            lease = resp.leases[0]
+            assert len(lease.seeds) == lease.group_size == 4 and len(set(lease.seeds)) == 4
+            ok = await stub.submit_group(shaped_group(lease))
+            assert ok.accepted and len(ok.rewards) == 4 and ok.credited_tokens == 16
+            return coord.base_dir
+
+    run(scenario())
+    db = st.Database(base / "state.db")  # a fresh connection after shutdown: it is on disk
+    s = db.run_sync(st.status_summary)
+    n_samples = db.run_sync(lambda c: c.execute("SELECT COUNT(*) FROM samples").fetchone()[0])
+    db.close()
+    assert s["accepted_groups"] == 1 and n_samples == 4 and s["open_leases"] == 0
+
+
+def test_retry_of_an_accepted_group_is_answered_not_double_counted(base):
+    async def scenario():
+        async with running_coordinator(base) as coord, node_client(coord) as stub:
+            lease = (await stub.lease_work(pb.LeaseRequest())).leases[0]
+            group = shaped_group(lease)
+            first = await stub.submit_group(group)
+            again = await stub.submit_group(group)  # re-signed with a fresh nonce, same content
+            assert again.group_id == first.group_id
+            assert summary(coord)["accepted_groups"] == 1
+
+    run(scenario())
+
+
+def test_unsigned_request_is_refused_and_counted(base):
+    async def scenario():
+        async with running_coordinator(base) as coord:
+            channel = channel_to(coord)
+            stub = SignedStub(channel, PrivateKey.generate())
+            await expect_refusal(stub.call_raw("GetPolicy", b"", metadata=()), grpc.StatusCode.UNAUTHENTICATED, "unsigned")
+            await channel.close()
+            assert summary(coord)["rejections_by_reason"] == {"unsigned": 1}
+
+    run(scenario())
+
+
+def test_wrongly_signed_request_is_refused(base):
+    async def scenario():
+        async with running_coordinator(base) as coord, node_client(coord) as stub:
+            body = pb.PolicyRequest().SerializeToString()
+            md = dict(sign_request(stub.key, full_method("GetPolicy"), body))
+            md["x-veriroll-sig"] = PrivateKey.generate().sign(b"something else").hex()
+            await expect_refusal(stub.call_raw("GetPolicy", body, metadata=tuple(md.items())),
+                                 grpc.StatusCode.UNAUTHENTICATED, "bad_signature")
+            # A signature for another method does not carry over either.
+            md = sign_request(stub.key, full_method("Heartbeat"), body)
+            await expect_refusal(stub.call_raw("GetPolicy", body, metadata=md), grpc.StatusCode.UNAUTHENTICATED, "bad_signature")
+            assert summary(coord)["rejections_by_reason"] == {"bad_signature": 2}
+
+    run(scenario())
+
+
+def test_replayed_request_is_refused(base):
+    async def scenario():
+        async with running_coordinator(base) as coord, node_client(coord) as stub:
+            body = pb.HeartbeatRequest(loaded_version=0).SerializeToString()
+            md = sign_request(stub.key, full_method("Heartbeat"), body)
+            await stub.call_raw("Heartbeat", body, metadata=md)
+            await expect_refusal(stub.call_raw("Heartbeat", body, metadata=md), grpc.StatusCode.UNAUTHENTICATED,
+                                 "replayed_nonce")
+            assert summary(coord)["rejections_by_reason"] == {"replayed_nonce": 1}
+
+    run(scenario())
+
+
+def test_request_outside_the_time_window_is_refused_as_clock_skew_without_strike(base):
+    async def scenario():
+        async with running_coordinator(base) as coord, node_client(coord) as stub:
+            body = pb.PolicyRequest().SerializeToString()
+            for offset_s in (-120, 120):
+                md = sign_request(stub.key, full_method("GetPolicy"), body, now_ms=int((time.time() + offset_s) * 1000))
+                err = await expect_refusal(stub.call_raw("GetPolicy", body, metadata=md),
+                                           grpc.StatusCode.UNAUTHENTICATED, "clock_skew")
+                assert "clock" in err.details
+            nodes = coord.db.run_sync(st.list_nodes)
+            assert nodes[0]["strikes"] == 0 and nodes[0]["standing"] == "probation"
+
+    run(scenario())
+
+
+def test_unknown_key_is_refused(base):
+    async def scenario():
+        async with running_coordinator(base) as coord, node_client(coord, register=False) as stub:
+            await expect_refusal(stub.lease_work(pb.LeaseRequest()), grpc.StatusCode.UNAUTHENTICATED, "unknown_key")
+            assert summary(coord)["open_leases"] == 0
+
+    run(scenario())
+
+
+def test_register_must_be_signed_by_the_registered_key(base):
+    async def scenario():
+        async with running_coordinator(base) as coord, node_client(coord, register=False) as stub:
+            other = PrivateKey.generate()
+            await expect_refusal(stub.register(pb.RegisterRequest(public_key=other.public.raw)),
+                                 grpc.StatusCode.UNAUTHENTICATED, "bad_signature")
+            assert summary(coord)["nodes"] == 0
+
+    run(scenario())
+
+
+def test_call_without_deadline_is_refused(base):
+    async def scenario():
+        async with running_coordinator(base) as coord, node_client(coord) as stub:
+            body = pb.PolicyRequest().SerializeToString()
+            call = stub.channel.unary_unary(full_method("GetPolicy"), request_serializer=lambda b: b,
+                                            response_deserializer=pb.PolicyResponse.FromString)
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await call(body, metadata=sign_request(stub.key, full_method("GetPolicy"), body))
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert info.value.details().startswith("deadline_required")
+
+    run(scenario())
+
+
+def test_lease_rules_second_submit_other_node_and_expiry(base):
+    async def scenario():
+        async with running_coordinator(base, overrides=["leases.ttl_s=1"]) as coord, \
+                node_client(coord) as alice, node_client(coord) as mallory:
+            lease = (await alice.lease_work(pb.LeaseRequest())).leases[0]
+            # Stolen lease id: another node submits it.
+            await expect_refusal(mallory.submit_group(shaped_group(lease)), grpc.StatusCode.PERMISSION_DENIED,
+                                 "lease_not_yours")
+            await alice.submit_group(shaped_group(lease))
+            # Submitted twice with different content.
+            await expect_refusal(alice.submit_group(shaped_group(lease, token=7)), grpc.StatusCode.ALREADY_EXISTS,
+                                 "lease_used")
+            late = (await alice.lease_work(pb.LeaseRequest())).leases[0]
+            await asyncio.sleep(1.3)
+            await expect_refusal(alice.submit_group(shaped_group(late)), grpc.StatusCode.FAILED_PRECONDITION,
+                                 "lease_expired")
+            s = summary(coord)
+            assert s["accepted_groups"] == 1
+            assert s["rejections_by_reason"] == {"lease_not_yours": 1, "lease_used": 1, "lease_expired": 1}
+            # The expired lease's prompt went back to the pool and is leased again first.
+            prompt_of = lambda lid: coord.db.run_sync(  # noqa: E731
+                lambda c: c.execute("SELECT prompt_id FROM leases WHERE lease_id = ?", (lid,)).fetchone()[0])
+            again = (await alice.lease_work(pb.LeaseRequest())).leases[0]
+            assert prompt_of(again.lease_id) == prompt_of(late.lease_id)
+
+    run(scenario())
+
+
+@pytest.mark.parametrize("mutate, code, reason", [
+    (lambda g: g.samples.pop(), grpc.StatusCode.INVALID_ARGUMENT, "wrong_group_size"),
+    (lambda g: g.samples[0].token_ids.__setitem__(0, 10_000), grpc.StatusCode.INVALID_ARGUMENT, "token_out_of_vocab"),
+    (lambda g: setattr(g.samples[1], "logprobs", np.array([np.nan, -1, -1, -1], "<f4").tobytes()),
+     grpc.StatusCode.INVALID_ARGUMENT, "bad_logprobs"),
+    (lambda g: setattr(g.samples[1], "logprobs", np.array([0.5, -1, -1, -1], "<f4").tobytes()),
+     grpc.StatusCode.INVALID_ARGUMENT, "bad_logprobs"),
+    (lambda g: setattr(g, "policy_version", 3), grpc.StatusCode.INVALID_ARGUMENT, "version_mismatch"),
+    (lambda g: setattr(g.samples[0], "proof", b"x" * 100_000), grpc.StatusCode.INVALID_ARGUMENT, "proof_too_large"),
+])
+def test_malformed_group_is_refused_counted_and_not_stored(base, mutate, code, reason):
+    async def scenario():
+        async with running_coordinator(base) as coord, node_client(coord) as stub:
+            lease = (await stub.lease_work(pb.LeaseRequest())).leases[0]
+            group = shaped_group(lease)
+            mutate(group)
+            await expect_refusal(stub.submit_group(group), code, reason)
+            s = summary(coord)
+            assert s["accepted_groups"] == 0 and s["rejections_by_reason"] == {reason: 1}
+            nodes = coord.db.run_sync(st.list_nodes)
+            assert nodes[0]["strikes"] == 1
+            # The lease is spent and its prompt is back in the pool.
+            state = coord.db.run_sync(lambda c: c.execute("SELECT state FROM leases").fetchone()[0])
+            assert state == "rejected"
+
+    run(scenario())
+
+
+def test_oversized_message_and_garbage_bytes_are_refused(base):
+    async def scenario():
+        async with running_coordinator(base, overrides=["server.max_message_bytes=65536"]) as coord, \
+                node_client(coord) as stub:
+            big = pb.SubmitGroupRequest(lease_id="x", samples=[pb.Sample(proof=b"\0" * 100_000)]).SerializeToString()
+            await expect_refusal(stub.call_raw("SubmitGroup", big), grpc.StatusCode.RESOURCE_EXHAUSTED, "message_too_large")
+            await expect_refusal(stub.call_raw("SubmitGroup", b"\xff\xfe garbage \x00\x01"), grpc.StatusCode.INVALID_ARGUMENT,
+                                 "malformed")
+            s = summary(coord)
+            assert s["rejections_by_reason"] == {"message_too_large": 1, "malformed": 1}
+            assert s["accepted_groups"] == 0
+
+    run(scenario())
+
+
+def test_repeated_hard_failures_ban_the_key_and_banned_keys_are_refused_at_the_door(base):
+    async def scenario():
+        async with running_coordinator(base, overrides=["intake.max_strikes=2"]) as coord, node_client(coord) as stub:
+            for _ in range(2):
+                lease = (await stub.lease_work(pb.LeaseRequest())).leases[0]
+                await expect_refusal(stub.submit_group(shaped_group(lease, n=1)), grpc.StatusCode.INVALID_ARGUMENT,
+                                     "wrong_group_size")
+            await expect_refusal(stub.lease_work(pb.LeaseRequest()), grpc.StatusCode.PERMISSION_DENIED, "banned")
+            # Registering again does not lift a ban.
+            await expect_refusal(stub.register(pb.RegisterRequest(public_key=stub.key.public.raw)),
+                                 grpc.StatusCode.PERMISSION_DENIED, "banned")
+            s = summary(coord)
+            assert s["banned_nodes"] == 1 and s["rejections_by_reason"]["banned"] == 2
+
+    run(scenario())
+
+
+def test_rate_limit_per_key(base):
+    async def scenario():
+        async with running_coordinator(base, overrides=["server.key_rate_per_s=1", "server.key_burst=3"]) as coord, \
+                node_client(coord) as stub:
+            results = []
+            for _ in range(6):
+                try:
+                    await stub.get_policy()
+                    results.append("ok")
+                except CallError as err:
+                    results.append(err.reason)
+            assert "rate_limited" in results and results[0] == "ok"
+            assert summary(coord)["rejections_by_reason"]["rate_limited"] == results.count("rate_limited")
+
+    run(scenario())
+
+
+def test_backpressure_stops_leases_while_the_queue_is_full(base):
+    async def scenario():
+        async with running_coordinator(base, overrides=["leases.queue_maxsize=1"]) as coord, node_client(coord) as stub:
+            lease = (await stub.lease_work(pb.LeaseRequest())).leases[0]
+            await stub.submit_group(shaped_group(lease))
+            resp = await stub.lease_work(pb.LeaseRequest())
+            assert not resp.leases and resp.wait_reason == "backpressure" and resp.retry_after_ms > 0
+
+    run(scenario())
+
+
+def test_health_service_reports_serving(base):
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    async def scenario():
+        async with running_coordinator(base) as coord:
+            channel = channel_to(coord)
+            resp = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""), timeout=5)
+            await channel.close()
+            assert resp.status == health_pb2.HealthCheckResponse.SERVING
+
+    run(scenario())
