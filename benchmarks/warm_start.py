@@ -10,7 +10,7 @@ reaches ``--target``, to check that the preset leaves RL something to learn and 
     .venv/bin/python benchmarks/warm_start.py --quick
 
 The last line printed is one JSON object: ``{"preset", "sweep": [{"steps", "sft_seconds",
-"sampled_reward", "greedy_reward"}, ...], "rl": {"steps_to_target", "seconds_to_target",
+"sampled_reward", "greedy_reward"}, ...], "rl_lr", "rl": {"steps_to_target", "seconds_to_target",
 "final_reward", "curve"}}``.
 """
 
@@ -124,7 +124,7 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=None, help="warm-start batch (default: the preset's)")
     parser.add_argument("--eval-prompts", type=int, default=512)
     parser.add_argument("--rl", action="store_true", help="also run GRPO from the preset's version 0")
-    parser.add_argument("--rl-lr", type=float, default=1e-4)
+    parser.add_argument("--rl-lr", type=float, default=None, help="RL lr (default: the preset's rl_lr)")
     parser.add_argument("--rl-max-seconds", type=float, default=300.0)
     parser.add_argument("--target", type=float, default=0.9)
     parser.add_argument("--seed", type=int, default=0)
@@ -159,6 +159,8 @@ def main() -> None:
         "sweep": sweep,
     }
     if args.rl:
+        result["rl_lr"] = args.rl_lr if args.rl_lr is not None else preset.rl_lr
+    if args.rl:
         model = build_tiny_model(tokenizer, seed=args.seed, **preset.model_kwargs)
         warm_start(model, tokenizer, env, steps=preset.warm_start_steps, batch_size=batch_size, lr=lr, seed=args.seed)
         result["rl"] = rl_to_target(
@@ -167,7 +169,7 @@ def main() -> None:
             env,
             prompts_per_step=16,
             group_size=16,
-            lr=args.rl_lr,
+            lr=args.rl_lr if args.rl_lr is not None else preset.rl_lr,
             target=args.target,
             max_steps=10_000,
             max_seconds=args.rl_max_seconds,
