@@ -1,0 +1,48 @@
+"""Signed, sharded checkpoint broadcast through a tree of untrusted HTTP relays.
+
+- :func:`publish_checkpoint` (``publish.py``): split a checkpoint into shards, sign the manifest, store it.
+- :class:`RelayServer` (``relay.py``): serve a store (origin) or mirror upstream relays.
+- :func:`fetch_version` / :func:`fetch_version_sync` (``fetch.py``): get a version, every byte verified.
+- ``manifest.py``: the pure manifest format; ``errors.py``: the failures, as types.
+"""
+
+from .errors import (
+    DiskFullError,
+    ManifestError,
+    ManifestSignatureError,
+    NoRelayReachableError,
+    OutputDirError,
+    PublishError,
+    ShardcastError,
+    ShardUnavailableError,
+    VersionGoneError,
+    WrongVersionError,
+)
+from .fetch import FetchResult, RelayIncident, RelayStats, fetch_version, fetch_version_sync
+from .manifest import Manifest, verify_manifest
+from .publish import PublishResult, publish_checkpoint
+from .relay import RelayServer, serve_relay
+
+__all__ = [
+    "DiskFullError",
+    "FetchResult",
+    "Manifest",
+    "ManifestError",
+    "ManifestSignatureError",
+    "NoRelayReachableError",
+    "OutputDirError",
+    "PublishError",
+    "PublishResult",
+    "RelayIncident",
+    "RelayServer",
+    "RelayStats",
+    "ShardUnavailableError",
+    "ShardcastError",
+    "VersionGoneError",
+    "WrongVersionError",
+    "fetch_version",
+    "fetch_version_sync",
+    "publish_checkpoint",
+    "serve_relay",
+    "verify_manifest",
+]

@@ -29,7 +29,7 @@ import json
 import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any
 
 from veriroll.protos.identity import PrivateKey, PublicKey
@@ -153,7 +153,7 @@ def signing_message(manifest: Manifest | dict[str, Any]) -> bytes:
 
 
 def utc_now_rfc3339() -> str:
-    return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def plan_shards(files: Iterable[tuple[str, int]], shard_size: int) -> list[tuple[str, int, int]]:
@@ -379,12 +379,19 @@ def verify_manifest(data: bytes, key: PublicKey, *, expect_version: int | None =
        validly signed manifest under a newer version's name).
     """
     doc = parse_json_strict(data)
-    if not isinstance(doc, dict) or not {"manifest", "signature"} <= set(doc) or set(doc) - {
-        "manifest",
-        "signature",
-        "signer",
-    }:
-        raise ManifestError("a signed manifest is an object with 'manifest', 'signature' and optional 'signer'")
+    if (
+        not isinstance(doc, dict)
+        or not {"manifest", "signature"} <= set(doc)
+        or set(doc)
+        - {
+            "manifest",
+            "signature",
+            "signer",
+        }
+    ):
+        raise ManifestError(
+            "a signed manifest is an object with 'manifest', 'signature' and optional 'signer'"
+        )
     sig = doc["signature"]
     if not isinstance(sig, str) or not _HEX128.fullmatch(sig):
         raise ManifestSignatureError("manifest signature is not 128 lowercase hex characters")
@@ -403,5 +410,7 @@ def verify_manifest(data: bytes, key: PublicKey, *, expect_version: int | None =
         )
     manifest = manifest_from_dict(doc["manifest"])
     if expect_version is not None and manifest.version != expect_version:
-        raise WrongVersionError(f"asked for version {expect_version}, the manifest is version {manifest.version}")
+        raise WrongVersionError(
+            f"asked for version {expect_version}, the manifest is version {manifest.version}"
+        )
     return manifest

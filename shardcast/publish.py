@@ -198,7 +198,9 @@ def publish_checkpoint(
     store.mkdir(parents=True, exist_ok=True)
     final = version_dir(store, version)
     if final.exists():
-        raise PublishError(f"version {version} is already in {store}: versions are immutable, publish a new one")
+        raise PublishError(
+            f"version {version} is already in {store}: versions are immutable, publish a new one"
+        )
     held = list_versions(store)
     if len(held) >= keep and version < held[-keep]:
         raise PublishError(
