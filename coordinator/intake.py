@@ -127,7 +127,7 @@ def check_shape(sub: Submission, lease: LeaseRecord, *, vocab_size: int, max_pro
     if sub.policy_version != lease.policy_version:
         return Rejection(Reason.VERSION_MISMATCH,
                          f"generated with version {sub.policy_version}, the lease names {lease.policy_version}")
-    stops = set(lease.stop_token_ids)
+    stops = np.asarray(lease.stop_token_ids, dtype=np.int64)
     for i, s in enumerate(sub.samples):
         n = len(s.token_ids)
         if n == 0 or n > lease.max_new_tokens:
@@ -141,8 +141,9 @@ def check_shape(sub: Submission, lease: LeaseRecord, *, vocab_size: int, max_pro
         if len(s.proof) > max_proof_bytes(n, max_proof_bytes_per_token) or (require_proof and not s.proof):
             return Rejection(Reason.PROOF_TOO_LARGE if s.proof else Reason.TOPLOC_FAILED,
                              f"sample {i} proof is {len(s.proof)} bytes for {n} tokens")
-        ends_on_stop = int(s.token_ids[-1]) in stops
-        inner_stop = any(int(t) in stops for t in s.token_ids[:-1])
+        is_stop = np.isin(s.token_ids, stops)
+        ends_on_stop = bool(is_stop[-1])
+        inner_stop = bool(is_stop[:-1].any())
         if inner_stop or (s.finish_reason == "stop") != ends_on_stop or \
                 (s.finish_reason == "length" and n != lease.max_new_tokens) or s.finish_reason not in ("stop", "length"):
             return Rejection(Reason.BAD_FINISH, f"sample {i}: finish_reason {s.finish_reason!r} does not match its tokens")

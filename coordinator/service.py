@@ -132,7 +132,7 @@ class CoordinatorService:
         # Operators ban and unban from another process (the CLI writes the database): pick that up.
         if not force and self.clock() - self._nodes_loaded_ms < 2000:
             return
-        rows = await self.db.run(lambda c: c.execute("SELECT node_id, public_key, standing FROM nodes").fetchall())
+        rows = await self.db.run_read(lambda c: c.execute("SELECT node_id, public_key, standing FROM nodes").fetchall())
         self._nodes = {bytes(r["public_key"]): NodeInfo(r["node_id"], bytes(r["public_key"]), r["standing"]) for r in rows}
         self._nodes_loaded_ms = self.clock()
 
@@ -234,7 +234,7 @@ class CoordinatorService:
             row = conn.execute("SELECT * FROM nodes WHERE node_id = ?", (node.node_id,)).fetchone()
             return dict(row), st.rejections_by_reason(conn, node.node_id)
 
-        row, rejections = await self.db.run(op)
+        row, rejections = await self.db.run_read(op)
         return pb.LedgerResponse(
             node_id=node.node_id, standing=row["standing"], accepted_groups=row["accepted_groups"],
             accepted_tokens=row["accepted_tokens"], strikes=row["strikes"], rejections_by_reason=rejections,
@@ -322,7 +322,7 @@ class CoordinatorService:
             group = conn.execute("SELECT * FROM groups WHERE lease_id = ?", (sub.lease_id,)).fetchone()
             return LeaseRecord.from_row(lease), dict(prompt), dict(group) if group else None
 
-        lease, prompt, prior = await self.db.run(load)
+        lease, prompt, prior = await self.db.run_read(load)
         if prior is not None and lease is not None and lease.node_id == node.node_id and prior["content_hash"] == digest:
             # An honest retry after a lost answer: the same content was accepted already. Answer the same.
             return await self._accepted_response(prior["group_id"])
@@ -433,8 +433,8 @@ class CoordinatorService:
     # --- housekeeping ---------------------------------------------------------------------------
 
     async def refresh_gauges(self) -> dict[str, Any]:
-        summary = await self.db.run(st.status_summary)
-        standings = await self.db.run(lambda c: c.execute("SELECT standing, COUNT(*) n FROM nodes GROUP BY standing").fetchall())
+        summary = await self.db.run_read(st.status_summary)
+        standings = await self.db.run_read(lambda c: c.execute("SELECT standing, COUNT(*) n FROM nodes GROUP BY standing").fetchall())
         self.metrics.queue_depth.set(summary["unconsumed_groups"])
         self.metrics.policy_version.set(self.policy.version)
         for s in st.STANDINGS:

@@ -168,6 +168,9 @@ class Database:
         self._q: queue.Queue[_Op | None] = queue.Queue()
         self._thread = threading.Thread(target=self._loop, name="veriroll-db", daemon=True)
         self._closed = False
+        self._reader = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="veriroll-db-read")
+        self._local = threading.local()
+        self._reader_conns: list[sqlite3.Connection] = []
         self._thread.start()
 
     def _loop(self) -> None:
@@ -219,6 +222,22 @@ class Database:
             else:
                 op.future.set_exception(value)
 
+    def read(self, fn: Callable[[sqlite3.Connection], T]) -> concurrent.futures.Future:
+        """Run a read-only ``fn`` on the reader connection: no write lock, no fsync, sees committed data."""
+        if self._closed:
+            raise RuntimeError("database is closed")
+        return self._reader.submit(self._read_one, fn)
+
+    def _read_one(self, fn):
+        conn = getattr(self._local, "conn", None)
+        if conn is None:
+            conn = self._local.conn = connect(self.path)
+            self._reader_conns.append(conn)
+        return fn(conn)
+
+    async def run_read(self, fn: Callable[[sqlite3.Connection], T]) -> T:
+        return await asyncio.wrap_future(self.read(fn))
+
     def submit(self, fn: Callable[[sqlite3.Connection], T]) -> concurrent.futures.Future:
         if self._closed:
             raise RuntimeError("database is closed")
@@ -238,6 +257,9 @@ class Database:
         self._closed = True
         self._q.put(None)
         self._thread.join(timeout=30)
+        self._reader.shutdown(wait=True)
+        for conn in self._reader_conns:
+            conn.close()
         self.conn.close()
 
 

@@ -1,0 +1,187 @@
+"""Intake throughput: signed clients submitting 8x64-token groups to the real coordinator (verification
+off), against a bare grpc.aio echo of the same message sizes, in the same run.
+
+Each simulated node loops LeaseWork -> SubmitGroup; the echo server answers the same two calls with
+the same request sizes. The coordinator runs as its own process (`veriroll coordinator run`) with TLS,
+the SQLite store and group commit; the echo server likewise with TLS. Clients run in one process.
+
+Prints one JSON line last: intake_groups_per_s, echo_per_s, ratio, p50_ms, p99_ms (submit latency).
+Target: ratio >= 0.5.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+
+ECHO_SERVER = r'''
+import asyncio, sys, grpc
+async def main(cert, key, port_file):
+    server = grpc.aio.server(options=[("grpc.max_receive_message_length", 32 << 20)])
+    small = b"\x08\x01" * 8
+    async def echo(body, context):
+        return small
+    handlers = {"/bench.Echo/Lease": grpc.unary_unary_rpc_method_handler(echo),
+                "/bench.Echo/Submit": grpc.unary_unary_rpc_method_handler(echo)}
+    class H(grpc.GenericRpcHandler):
+        def service(self, d):
+            return handlers.get(d.method)
+    server.add_generic_rpc_handlers((H(),))
+    port = server.add_secure_port("127.0.0.1:0", grpc.ssl_server_credentials([(open(key, "rb").read(), open(cert, "rb").read())]))
+    await server.start()
+    open(port_file, "w").write(str(port))
+    await server.wait_for_termination()
+asyncio.run(main(*sys.argv[1:]))
+'''
+
+
+def make_group(lease, pb) -> bytes:
+    t = lease.max_new_tokens
+    rng = np.random.default_rng(0)
+    samples = [pb.Sample(token_ids=rng.integers(4, 14, t).tolist(), logprobs=np.full(t, -0.5, "<f4").tobytes(),
+                         proof=bytes(258 * 2 + 16), finish_reason="length") for _ in range(lease.group_size)]
+    return pb.SubmitGroupRequest(lease_id=lease.lease_id, policy_version=lease.policy_version, samples=samples)
+
+
+async def intake_load(address: str, ca: bytes, clients: int, seconds: float) -> tuple[int, list[float]]:
+    from veriroll.protos.identity import PrivateKey
+    from veriroll.protos.service import SignedStub, secure_channel
+    from veriroll.protos.v1 import coordinator_pb2 as pb
+
+    channels = [secure_channel(address, ca, server_name="localhost") for _ in range(max(1, clients // 8))]
+    latencies: list[float] = []
+    done = 0
+    stop_at = time.perf_counter() + seconds
+
+    async def node(i: int):
+        nonlocal done
+        key = PrivateKey.generate()
+        stub = SignedStub(channels[i % len(channels)], key, timeout=30)
+        await stub.register(pb.RegisterRequest(public_key=key.public.raw))
+        while time.perf_counter() < stop_at:
+            resp = await stub.lease_work(pb.LeaseRequest(max_leases=1))
+            if not resp.leases:
+                await asyncio.sleep(0.01)
+                continue
+            group = make_group(resp.leases[0], pb)
+            t0 = time.perf_counter()
+            await stub.submit_group(group)
+            latencies.append(time.perf_counter() - t0)
+            done += 1
+
+    await asyncio.gather(*(node(i) for i in range(clients)))
+    for c in channels:
+        await c.close()
+    return done, latencies
+
+
+async def echo_load(address: str, ca: bytes, clients: int, seconds: float, lease_bytes: bytes, group_bytes: bytes) -> int:
+    import grpc
+
+    from veriroll.protos.service import secure_channel
+
+    channels = [secure_channel(address, ca, server_name="localhost") for _ in range(max(1, clients // 8))]
+    done = 0
+    stop_at = time.perf_counter() + seconds
+
+    async def client(i: int):
+        nonlocal done
+        ch = channels[i % len(channels)]
+        lease = ch.unary_unary("/bench.Echo/Lease")
+        submit = ch.unary_unary("/bench.Echo/Submit")
+        while time.perf_counter() < stop_at:
+            # Same sizes on the wire as the real protocol: a small request answered by a lease-sized
+            # response, then a group-sized request.
+            await lease(lease_bytes, timeout=30)
+            await submit(group_bytes, timeout=30)
+            done += 1
+
+    await asyncio.gather(*(client(i) for i in range(clients)))
+    for c in channels:
+        await c.close()
+    _ = grpc
+    return done
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="short run (under a minute)")
+    ap.add_argument("--clients", type=int, default=32)
+    ap.add_argument("--seconds", type=float, default=20.0)
+    args = ap.parse_args()
+    seconds = 8.0 if args.quick else args.seconds
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    import torch
+
+    torch.set_num_threads(1)
+    from support import make_coordinator_dir
+
+    from veriroll.protos.v1 import coordinator_pb2 as pb
+
+    root = Path(tempfile.mkdtemp(prefix="veriroll-bench-intake-"))
+    base = make_coordinator_dir(root, {
+        "leases.group_size": 8, "leases.max_new_tokens": 64, "leases.queue_maxsize": 10**9,
+        "leases.max_open_per_node": 4, "leases.ttl_s": 600, "server.key_rate_per_s": 1e6, "server.key_burst": 1e6,
+        "server.peer_rate_per_s": 1e6, "server.peer_burst": 1e6, "intake.verify": False,
+    })
+    ca = (base / "tls" / "ca.crt").read_bytes()
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    veriroll = str(Path(sys.executable).parent / "veriroll")
+    coord = subprocess.Popen([veriroll, "coordinator", "run", "--dir", str(base), "--log-level", "warning"], env=env)
+    echo_port_file = root / "echo.port"
+    echo = subprocess.Popen([sys.executable, "-c", ECHO_SERVER, str(base / "tls" / "server.crt"),
+                             str(base / "tls" / "server.key"), str(echo_port_file)], env=env)
+    try:
+        for _ in range(600):
+            if (base / "ports.json").exists() and echo_port_file.exists():
+                break
+            time.sleep(0.1)
+        port = json.loads((base / "ports.json").read_text())["grpc"]
+        echo_port = int(echo_port_file.read_text())
+        lease_example = pb.LeaseResponse(leases=[pb.Lease(lease_id="0" * 24, prompt_ids=list(range(5)), group_size=8,
+                                                          temperature=1.0, max_new_tokens=64, seeds=[2**63] * 8,
+                                                          policy_version=0, deadline_ms=2**40, stop_token_ids=[2],
+                                                          environment="arithmetic")])
+        group_example = make_group(lease_example.leases[0], pb).SerializeToString()
+        # Warm both up, then measure echo and intake back to back.
+        asyncio.run(echo_load(f"127.0.0.1:{echo_port}", ca, 4, 1.0, lease_example.SerializeToString(), group_example))
+        echo_n = asyncio.run(echo_load(f"127.0.0.1:{echo_port}", ca, args.clients, seconds,
+                                       lease_example.SerializeToString(), group_example))
+        asyncio.run(intake_load(f"127.0.0.1:{port}", ca, 4, 1.0))
+        intake_n, lat = asyncio.run(intake_load(f"127.0.0.1:{port}", ca, args.clients, seconds))
+    finally:
+        coord.terminate()
+        echo.terminate()
+        coord.wait(timeout=30)
+        echo.wait(timeout=30)
+    intake_rate = intake_n / seconds
+    echo_rate = echo_n / seconds
+    lat_ms = np.array(lat) * 1000 if lat else np.array([float("nan")])
+    result = {
+        "intake_groups_per_s": round(intake_rate, 1),
+        "echo_per_s": round(echo_rate, 1),
+        "ratio": round(intake_rate / echo_rate, 3) if echo_rate else None,
+        "p50_ms": round(float(np.percentile(lat_ms, 50)), 2),
+        "p99_ms": round(float(np.percentile(lat_ms, 99)), 2),
+        "clients": args.clients,
+        "seconds": seconds,
+        "group": "8x64 tokens",
+        "target_ratio": 0.5,
+    }
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
