@@ -36,13 +36,16 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 import torch  # noqa: E402
-from veriroll.toploc import Thresholds, commit, commit_many, verify  # noqa: E402
+
+from veriroll.toploc import Thresholds, commit, commit_many, verify, verify_many  # noqa: E402
 from veriroll.toploc.proof import thresholds_for  # noqa: E402
 from veriroll.toploc.sampling import sample  # noqa: E402
 
 CHUNK, TOPK = 32, 128
 # Statistics only: nothing is ever rejected by the statistics pass.
-LOOSE = Thresholds(max_exp_mismatch_frac=1.0, max_sign_mismatch_frac=1.0, max_mant_err_mean=1e9, max_mant_err_median=1e9)
+LOOSE = Thresholds(
+    max_exp_mismatch_frac=1.0, max_sign_mismatch_frac=1.0, max_mant_err_mean=1e9, max_mant_err_median=1e9
+)
 
 
 class Scenario:
@@ -126,11 +129,16 @@ def run_synthetic(n: int, seed: int) -> dict[str, Scenario]:
             proof = commit(x)
             for eps in (1e-6, 1e-5, 1e-4):
                 get(f"syn_noise_{eps:g}", True).add(proof, x * (1 + eps * torch.randn(x.shape, generator=g)))
-            for eps in (1e-3, 1e-2):  # beyond float32 noise: where the statistics start to move
-                get(f"info_syn_noise_{eps:g}", True).add(proof, x * (1 + eps * torch.randn(x.shape, generator=g)))
+            # drift of half-precision engines: honest under their own thresholds, where fp32 ones break
+            for eps, dt in ((1e-3, torch.float16), (1e-2, torch.bfloat16)):
+                y = x * (1 + eps * torch.randn(x.shape, generator=g))
+                name = str(dt).removeprefix("torch.")
+                get(f"syn_noise_{eps:g}_{name}_thresholds", True).add(proof, y, thresholds_for(dt))
+                get(f"info_syn_noise_{eps:g}_fp32_thresholds", True).add(proof, y)
             get("syn_bf16_prover_fp32_verifier", True).add(commit(x.bfloat16()), x)
             get("syn_fp32_prover_bf16_verifier", True).add(proof, x.bfloat16())
-            get("syn_fp16_prover_fp32_verifier", True).add(commit(x.half()), x)
+            # states rounded to fp16 after an fp32 computation: neither honest fp32 nor fp16 generation
+            get("info_syn_fp16_cast_fp32_verifier", True).add(commit(x.half()), x)
             get("syn_attack_negated", False).add(proof, -x)
             get("syn_attack_scaled_1.05", False).add(commit(x * 1.05), x)
             get("syn_attack_scaled_0.5", False).add(commit(x * 0.5), x)
@@ -236,10 +244,17 @@ def run_model(layers: int, hidden: int, groups: int, n: int, length: int, seed: 
         t2 = time.perf_counter()
         ref = prefill(trusted, prompt, tokens)
         t3 = time.perf_counter()
+        verdicts = verify_many(proofs, list(ref), chunk_size=CHUNK, topk=TOPK)
+        t4 = time.perf_counter()
+        assert len(verdicts) == n
         for s in range(n):
             get("honest_fp32_kvcache_vs_prefill", True).add(proofs[s], ref[s])
-        t4 = time.perf_counter()
-        t_gen, t_commit, t_prefill, t_verify = t_gen + t1 - t0, t_commit + t2 - t1, t_prefill + t3 - t2, t_verify + t4 - t3
+        t_gen, t_commit, t_prefill, t_verify = (
+            t_gen + t1 - t0,
+            t_commit + t2 - t1,
+            t_prefill + t3 - t2,
+            t_verify + t4 - t3,
+        )
         n_chunks += n * -(-length // CHUNK)
         # the verifier prefilling one sample at a time, padded: other shapes, other kernels
         for s in range(min(n, 4)):
@@ -282,11 +297,14 @@ def run_model(layers: int, hidden: int, groups: int, n: int, length: int, seed: 
         ref_c = prefill(trusted, prompt, tok_c)
         for s in range(n):
             get("attack_changed_prompt", False).add(commit(st_c[s]), ref_c[s])
+    # commit and verify cost per chunk, next to the generation and the trusted prefill they accompany
     timings[tag] = {
         "generate_ms_per_chunk": round(1e3 * t_gen / n_chunks, 3),
         "commit_ms_per_chunk": round(1e3 * t_commit / n_chunks, 3),
         "prefill_ms_per_chunk": round(1e3 * t_prefill / n_chunks, 3),
         "verify_ms_per_chunk": round(1e3 * t_verify / n_chunks, 3),
+        "commit_over_generate": round(t_commit / t_gen, 4),
+        "verify_over_prefill": round(t_verify / t_prefill, 4),
     }
     return sc
 
@@ -327,6 +345,9 @@ def main(argv=None) -> int:
     result["false_rejections"] = sum(s.rejected for s in honest)
     result["detection"] = {k: v["detection"] for k, v in result["attacks"].items()}
     result["timings"] = timings
+    result["proof_bytes_per_32_tokens"] = (
+        len(commit(torch.randn(320, 64))) - len(commit(torch.zeros(0, 64)))
+    ) / 10
     result["seconds"] = round(time.perf_counter() - t0, 1)
     print(json.dumps(result))
     return 0

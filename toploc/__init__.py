@@ -9,6 +9,7 @@ from veriroll.toploc.proof import (
     commit_many,
     thresholds_for,
     verify,
+    verify_many,
 )
 from veriroll.toploc.verdict import ChunkStats, Verdict
 
@@ -23,4 +24,5 @@ __all__ = [
     "commit_many",
     "thresholds_for",
     "verify",
+    "verify_many",
 ]
