@@ -18,7 +18,7 @@ publishes it, and runs every server and client as its own process:
 
     .venv/bin/python benchmarks/shardcast.py [--quick] [--size-mib 256] [--clients 16] [--repeats 3]
 
-``--quick`` is 64 MiB, 4 clients, 2 repeats. Prints a few human lines, then one JSON line.
+``--quick`` is 64 MiB, 4 clients, 5 repeats. Prints a few human lines, then one JSON line.
 """
 
 from __future__ import annotations
@@ -224,7 +224,7 @@ async def our_fetch(relay: str, key_pub: Path, dest: Path, *, fsync: bool) -> fl
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="64 MiB, 4 clients, 2 repeats")
+    ap.add_argument("--quick", action="store_true", help="64 MiB, 4 clients, 5 repeats")
     ap.add_argument("--size-mib", type=int, default=256)
     ap.add_argument("--clients", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=3)
@@ -242,7 +242,7 @@ def main() -> None:
     if args.role == "client":
         return role_client(args.relay, args.key, args.out, args.go)
     if args.quick:
-        args.size_mib, args.clients, args.repeats = 64, 4, 2
+        args.size_mib, args.clients, args.repeats = 64, 4, 5
 
     work = Path(args.workdir or tempfile.mkdtemp(prefix="shardcast-bench-"))
     work.mkdir(parents=True, exist_ok=True)

@@ -450,7 +450,7 @@ class _Fetch:
         try:
             self.staging.mkdir(parents=True, exist_ok=True)
             if not staged.is_file():
-                write_file_durably(staged, manifest_bytes)
+                write_file_durably(staged, manifest_bytes, fsync=self.fsync)
             (self.staging / READY_NAME).unlink(missing_ok=True)
         except OSError as exc:
             raise_if_disk_full(exc, self.staging)
@@ -490,6 +490,7 @@ class _Fetch:
             write_file_durably(
                 self.staging / READY_NAME,
                 ready_marker_bytes(manifest.version, hashlib.sha256(manifest_bytes).hexdigest()),
+                fsync=self.fsync,
             )
             (self.staging / JOURNAL_NAME).unlink(missing_ok=True)
             if self.fsync:
@@ -993,7 +994,10 @@ async def fetch_version(
     download at once, at most ``per_relay`` from one relay. ``read_timeout`` is how long a connection
     may stay silent before the download is abandoned and retried elsewhere. ``progress``: a rich
     progress bar on stderr (None: only when stderr is a terminal). ``on_progress(done, total)`` is
-    called with byte counts as data arrives.
+    called with byte counts as data arrives. ``fsync`` (default) flushes every file to disk before the
+    ready marker is written, so a power loss cannot leave a ready checkpoint with lost bytes; turn it
+    off only for throwaway copies. ``verify_files`` re-reads and hashes whole files too (see the
+    module docstring for why the shard hashes already prove them).
 
     Returns a FetchResult; raises NoRelayReachableError, ManifestSignatureError, VersionGoneError,
     ShardUnavailableError, ManifestError, DiskFullError or OutputDirError. A failed fetch never leaves

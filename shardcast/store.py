@@ -104,13 +104,14 @@ def fsync_dir(path: str | os.PathLike) -> None:
         os.close(fd)
 
 
-def write_file_durably(path: str | os.PathLike, data: bytes) -> None:
-    """Write ``data`` to ``path`` and fsync it (disk full raises DiskFullError)."""
+def write_file_durably(path: str | os.PathLike, data: bytes, *, fsync: bool = True) -> None:
+    """Write ``data`` to ``path`` and fsync it unless told not to (disk full raises DiskFullError)."""
     try:
         with open(path, "wb") as fh:
             fh.write(data)
             fh.flush()
-            os.fsync(fh.fileno())
+            if fsync:
+                os.fsync(fh.fileno())
     except OSError as exc:
         raise_if_disk_full(exc, path)
         raise

@@ -528,3 +528,20 @@ def test_verify_files_rereads_the_disk_and_refetches_what_it_changed(
     assert flipped["done"]
     assert same_tree(checkpoint, tmp_path / "out")
     assert result.shards_downloaded > len(result.manifest.shards)  # the damaged shard was fetched again
+
+
+def test_progress_reports_reach_the_checkpoint_size_and_the_bar_runs_off_a_terminal(
+    store, coord_key, tmp_path, capsys
+):
+    seen = []
+
+    async def go():
+        async with RelayServer(store, coord_key.public, port=0) as origin:
+            return await fetch_version(
+                [origin.url], coord_key.public, tmp_path / "out", connect_timeout=2.0, read_timeout=1.0,
+                progress=True, on_progress=lambda done, total: seen.append((done, total)),
+            )  # fmt: skip
+
+    result = run(go())
+    assert seen[-1] == (result.manifest.total_size, result.manifest.total_size)
+    assert "version 1" in capsys.readouterr().err
