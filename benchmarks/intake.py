@@ -156,10 +156,17 @@ def main() -> int:
         group_example = make_group(lease_example.leases[0], pb).SerializeToString()
         # Warm both up, then measure echo and intake back to back.
         asyncio.run(echo_load(f"127.0.0.1:{echo_port}", ca, 4, 1.0, lease_example.SerializeToString(), group_example))
-        echo_n = asyncio.run(echo_load(f"127.0.0.1:{echo_port}", ca, args.clients, seconds,
-                                       lease_example.SerializeToString(), group_example))
         asyncio.run(intake_load(f"127.0.0.1:{port}", ca, 4, 1.0))
-        intake_n, lat = asyncio.run(intake_load(f"127.0.0.1:{port}", ca, args.clients, seconds))
+        # Alternate the two loads in rounds so a change in background load hits both alike.
+        echo_n = intake_n = 0
+        lat: list[float] = []
+        rounds = 2
+        for _ in range(rounds):
+            echo_n += asyncio.run(echo_load(f"127.0.0.1:{echo_port}", ca, args.clients, seconds / rounds,
+                                            lease_example.SerializeToString(), group_example))
+            n, round_lat = asyncio.run(intake_load(f"127.0.0.1:{port}", ca, args.clients, seconds / rounds))
+            intake_n += n
+            lat += round_lat
     finally:
         coord.terminate()
         echo.terminate()

@@ -127,25 +127,41 @@ def check_shape(sub: Submission, lease: LeaseRecord, *, vocab_size: int, max_pro
     if sub.policy_version != lease.policy_version:
         return Rejection(Reason.VERSION_MISMATCH,
                          f"generated with version {sub.policy_version}, the lease names {lease.policy_version}")
-    stops = np.asarray(lease.stop_token_ids, dtype=np.int64)
-    for i, s in enumerate(sub.samples):
-        n = len(s.token_ids)
-        if n == 0 or n > lease.max_new_tokens:
-            return Rejection(Reason.TOO_LONG, f"sample {i} has {n} tokens, allowed 1..{lease.max_new_tokens}")
-        if int(s.token_ids.min()) < 0 or int(s.token_ids.max()) >= vocab_size:
-            return Rejection(Reason.TOKEN_OUT_OF_VOCAB, f"sample {i} has a token outside [0, {vocab_size})")
-        if len(s.logprobs) != n:
-            return Rejection(Reason.BAD_LOGPROBS, f"sample {i} has {len(s.logprobs)} log-probs for {n} tokens")
-        if not np.all(np.isfinite(s.logprobs)) or float(np.max(s.logprobs)) > 0.0:
-            return Rejection(Reason.BAD_LOGPROBS, f"sample {i} has a log-prob that is NaN, infinite or > 0")
-        if len(s.proof) > max_proof_bytes(n, max_proof_bytes_per_token) or (require_proof and not s.proof):
+    # Vectorized over the whole group: one pass over all tokens instead of a dozen numpy calls per sample.
+    samples = sub.samples
+    lengths = np.fromiter((len(s.token_ids) for s in samples), dtype=np.int64, count=len(samples))
+    bad = np.flatnonzero((lengths == 0) | (lengths > lease.max_new_tokens))
+    if bad.size:
+        i = int(bad[0])
+        return Rejection(Reason.TOO_LONG, f"sample {i} has {lengths[i]} tokens, allowed 1..{lease.max_new_tokens}")
+    tokens = np.concatenate([s.token_ids for s in samples])
+    oov = np.flatnonzero((tokens < 0) | (tokens >= vocab_size))
+    if oov.size:
+        i = int(np.searchsorted(np.cumsum(lengths), oov[0], side="right"))
+        return Rejection(Reason.TOKEN_OUT_OF_VOCAB, f"sample {i} has a token outside [0, {vocab_size})")
+    lp_lengths = np.fromiter((len(s.logprobs) for s in samples), dtype=np.int64, count=len(samples))
+    bad = np.flatnonzero(lp_lengths != lengths)
+    if bad.size:
+        i = int(bad[0])
+        return Rejection(Reason.BAD_LOGPROBS, f"sample {i} has {lp_lengths[i]} log-probs for {lengths[i]} tokens")
+    logprobs = np.concatenate([s.logprobs for s in samples])
+    bad_lp = np.flatnonzero(~np.isfinite(logprobs) | (logprobs > 0.0))
+    if bad_lp.size:
+        i = int(np.searchsorted(np.cumsum(lengths), bad_lp[0], side="right"))
+        return Rejection(Reason.BAD_LOGPROBS, f"sample {i} has a log-prob that is NaN, infinite or > 0")
+    proof_cap_per_token = max_proof_bytes_per_token
+    for i, s in enumerate(samples):
+        if len(s.proof) > max_proof_bytes(int(lengths[i]), proof_cap_per_token) or (require_proof and not s.proof):
             return Rejection(Reason.PROOF_TOO_LARGE if s.proof else Reason.TOPLOC_FAILED,
-                             f"sample {i} proof is {len(s.proof)} bytes for {n} tokens")
-        is_stop = np.isin(s.token_ids, stops)
-        ends_on_stop = bool(is_stop[-1])
-        inner_stop = bool(is_stop[:-1].any())
-        if inner_stop or (s.finish_reason == "stop") != ends_on_stop or \
-                (s.finish_reason == "length" and n != lease.max_new_tokens) or s.finish_reason not in ("stop", "length"):
+                             f"sample {i} proof is {len(s.proof)} bytes for {lengths[i]} tokens")
+    ends = np.cumsum(lengths) - 1
+    is_stop = np.isin(tokens, np.asarray(lease.stop_token_ids, dtype=np.int64))
+    end_is_stop = is_stop[ends]
+    inner_stops = np.add.reduceat(is_stop.astype(np.int64), ends - lengths + 1) - end_is_stop
+    for i, s in enumerate(samples):
+        ends_on_stop = bool(end_is_stop[i])
+        if inner_stops[i] or s.finish_reason not in ("stop", "length") or (s.finish_reason == "stop") != ends_on_stop \
+                or (s.finish_reason == "length" and lengths[i] != lease.max_new_tokens):
             return Rejection(Reason.BAD_FINISH, f"sample {i}: finish_reason {s.finish_reason!r} does not match its tokens")
     return None
 
