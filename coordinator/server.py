@@ -13,8 +13,8 @@ import time
 from pathlib import Path
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from google.protobuf.message import DecodeError
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from veriroll.coordinator.service import CoordinatorService, Refusal
 from veriroll.protos.envelope import REASON_TRAILER, EnvelopeError, parse_headers

@@ -30,7 +30,7 @@ def create_tls(out_dir: str | Path, *, hostnames: tuple[str, ...] = ("localhost"
     """Write ``ca.crt``, ``ca.key``, ``server.crt`` and ``server.key`` into ``out_dir``."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    now = dt.datetime.now(dt.timezone.utc)
+    now = dt.datetime.now(dt.UTC)
     ca_key = ec.generate_private_key(ec.SECP256R1())
     ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "veriroll local CA")])
     ca_cert = (

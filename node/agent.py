@@ -118,7 +118,7 @@ class NodeAgent:
     async def _sleep(self, seconds: float) -> None:
         try:
             await asyncio.wait_for(self.abandon.wait(), timeout=seconds)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             pass
 
     async def register(self) -> None:
