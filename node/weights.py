@@ -55,7 +55,7 @@ class RelayVersions:
         return self.root / f"v{version:06d}"
 
     def path_for(self, version: int) -> Path | None:
-        from veriroll.shardcast.fetch import is_ready
+        from veriroll.shardcast.store import is_ready
 
         d = self._dir(version)
         return d if is_ready(d) else None
@@ -79,10 +79,13 @@ class RelayVersions:
     async def _fetch(self, version: int, relays: list[str]) -> Path:
         from veriroll.shardcast.fetch import fetch_version
 
-        result = await fetch_version(relays, self.coordinator_key, self._dir(version), version=version)
-        for bad in getattr(result, "bad_relays", []) or []:
-            self.bad_relays.add(str(bad))
-            log.warning("relay %s served a bad shard of version %d; it was avoided", bad, version)
+        if self.coordinator_key is None:
+            raise RuntimeError("no coordinator key to check checkpoints against yet")
+        result = await fetch_version(relays, self.coordinator_key, self._dir(version), version=version, progress=False)
+        for bad in result.bad_relays:
+            self.bad_relays.add(bad.relay)
+            log.warning("relay %s served bad data for version %d (%s: %s); it was avoided", bad.relay, version,
+                        bad.kind, bad.detail)
         self._prune(version)
         return self._dir(version)
 

@@ -1,0 +1,48 @@
+"""Publishing policy versions: the coordinator's origin relay and ``publish_version``.
+
+At start the origin relay (a shardcast :class:`RelayServer` over ``shardcast.store``) comes up and the
+current policy version is published if the store lacks it. The trainer calls
+``coord.publish_version(v)`` after installing each new version; publishing (hashing, copying,
+signing) runs in a worker thread. Nodes learn the relay list and the manifest path via GetPolicy.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from veriroll.protos.config import resolve_path
+from veriroll.protos.identity import PrivateKey
+from veriroll.shardcast.publish import publish_checkpoint
+from veriroll.shardcast.relay import RelayServer
+from veriroll.shardcast.store import list_versions
+
+log = logging.getLogger("veriroll.coordinator.publisher")
+
+
+async def start_publisher(coord, key: PrivateKey) -> None:
+    cfg = coord.cfg.shardcast
+    store = resolve_path(coord.base_dir, cfg.store)
+    store.mkdir(parents=True, exist_ok=True)
+    relay = RelayServer(store, key.public, host=coord.cfg.server.host, port=cfg.origin_port, keep=cfg.keep_versions)
+    await relay.start()
+    coord.origin_url = relay.url
+    coord.closers.append(relay.stop)
+    lock = asyncio.Lock()
+
+    async def publish_version(version: int) -> None:
+        async with lock:
+            if version in list_versions(store):
+                return
+            src = coord.policy_store.version_dir(version)
+            # Hard links, not copies: installed versions are never modified in place.
+            result = await asyncio.to_thread(publish_checkpoint, src, store, key, version, shard_size=cfg.shard_bytes,
+                                             keep=cfg.keep_versions, link=True)
+            relay.refresh(force=True)
+            coord.service.policy.manifest_path = f"/versions/{version}/manifest"
+            log.info("published version %d (%d bytes in %.2fs)", version, result.total_bytes, result.seconds)
+
+    coord.publish_version = publish_version
+    # Announce configured relays first (they exist to take load off the origin), the origin last.
+    coord.service.policy.relays = [*cfg.relays, relay.url]
+    await publish_version(coord.service.policy.version)
