@@ -265,7 +265,8 @@ class CoordinatorService:
         version = self.policy.version
         # Generate with the newest version the node holds, as long as it is inside the window; else
         # name the current one, which the node must fetch first.
-        held = [v for v in list(req.available_versions) + [req.loaded_version] if version - self.cfg.intake.s_max < v <= version]
+        held = [v for v in list(req.available_versions) + [req.loaded_version]
+                if v >= 0 and version - self.cfg.intake.s_max < v <= version]
         lease_version = max(held) if held else version
         wanted = max(1, min(int(req.max_leases or 1), lc.max_open_per_node))
 

@@ -102,6 +102,8 @@ class NodeAgent:
                 return result
             except CallError as err:
                 if err.code in RETRYABLE and err.reason != "message_too_large":
+                    if self.stopping.is_set() and err.code == grpc.StatusCode.UNAVAILABLE:
+                        raise
                     self.status.connected = err.code != grpc.StatusCode.UNAVAILABLE
                     self.status.last_error = f"{err.reason}: {err.details}"
                     delay = self._backoff.next()

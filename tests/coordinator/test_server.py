@@ -51,9 +51,10 @@ async def expect_refusal(awaitable, code: grpc.StatusCode, reason: str):
 def test_honest_group_is_accepted_and_durable(base):
     async def scenario():
         async with running_coordinator(base) as coord, node_client(coord) as stub:
-            resp = await stub.lease_work(pb.LeaseRequest(max_leases=1))
+            resp = await stub.lease_work(pb.LeaseRequest(max_leases=1, loaded_version=-1))
             assert len(resp.leases) == 1
             lease = resp.leases[0]
+            assert lease.policy_version == 0  # a node with nothing loaded is told the current version
             assert len(lease.seeds) == lease.group_size == 4 and len(set(lease.seeds)) == 4
             ok = await stub.submit_group(shaped_group(lease))
             assert ok.accepted and len(ok.rewards) == 4 and ok.credited_tokens == 16

@@ -1,0 +1,340 @@
+"""``veriroll testnet``: the whole network on one machine, as separate processes on loopback.
+
+Starts the coordinator (trainer, verifier, origin relay), a chain of relays, honest nodes and
+adversarial nodes; trains until the target reward (or ``--steps``); shows a live table; writes a run
+directory with every process's log, the metrics history and a reward-curve PNG; ``--json`` prints a
+one-line summary.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import sqlite3
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from veriroll.deploy.topology import TestnetConfig, load_topology
+
+# Refusals an honest node can meet without doing anything wrong (a slow node, a restart, a full queue).
+BENIGN_REASONS = {"lease_expired", "stale_version", "clock_skew", "rate_limited", "unavailable", "internal"}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Proc:
+    name: str
+    popen: subprocess.Popen
+    log: Path
+    role: str
+    node_id: str = ""
+    adversary: str = ""
+
+
+@dataclass
+class Testnet:
+    cfg: TestnetConfig
+    run_dir: Path
+    procs: list[Proc] = field(default_factory=list)
+    veriroll: str = str(Path(sys.executable).parent / "veriroll")
+
+    @property
+    def coord_dir(self) -> Path:
+        return self.run_dir / "coordinator"
+
+    def _env(self, threads: int) -> dict:
+        return dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1",
+                    TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
+
+    def spawn(self, name: str, args: list[str], role: str, threads: int = 1, **extra) -> Proc:
+        log = self.run_dir / "logs" / f"{name}.log"
+        log.parent.mkdir(parents=True, exist_ok=True)
+        fh = open(log, "ab")  # noqa: SIM115 - handed to the child, closed when we stop
+        popen = subprocess.Popen([self.veriroll, *args], stdout=fh, stderr=subprocess.STDOUT, env=self._env(threads),
+                                 start_new_session=True)
+        proc = Proc(name, popen, log, role, **extra)
+        self.procs.append(proc)
+        return proc
+
+    def init_coordinator(self, origin_port: int, relay_urls: list[str]) -> dict:
+        sets = {"server.port": 0, "server.http_port": 0, "shardcast.origin_port": origin_port,
+                "shardcast.relays": json.dumps(relay_urls), "shardcast.shard_bytes": 1 << 20,
+                "trainer.max_steps": self.cfg.steps, "trainer.target_reward": 0.0 if self.cfg.steps else self.cfg.target_reward,
+                **self.cfg.coordinator}
+        args = [self.veriroll, "coordinator", "init", "--dir", str(self.coord_dir), "--preset", self.cfg.preset, "--json"]
+        for k, v in sets.items():
+            args += ["--set", f"{k}={v}"]
+        out = subprocess.run(args, capture_output=True, text=True, env=self._env(1), check=False)
+        if out.returncode != 0:
+            raise RuntimeError(f"coordinator init failed:\n{out.stderr[-2000:]}")
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+    def wait_ports(self, proc: Proc, timeout: float = 300) -> dict:
+        path = self.coord_dir / "ports.json"
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if path.exists():
+                return json.loads(path.read_text())
+            if proc.popen.poll() is not None:
+                raise RuntimeError(f"coordinator exited with {proc.popen.returncode}; see {proc.log}")
+            time.sleep(0.2)
+        raise RuntimeError("coordinator did not start in time")
+
+    def start(self) -> dict:
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        origin_port = free_port()
+        relay_ports = {r.name: free_port() for r in self.cfg.relays}
+        urls = {"origin": f"http://127.0.0.1:{origin_port}"} | {n: f"http://127.0.0.1:{p}" for n, p in relay_ports.items()}
+        leaves = [urls[r.name] for r in reversed(self.cfg.relay_order())]
+        info = self.init_coordinator(origin_port, leaves)
+        coord = self.spawn("coordinator", ["coordinator", "run", "--dir", str(self.coord_dir)], "coordinator")
+        ports = self.wait_ports(coord)
+        pub = str(self.coord_dir / "coordinator.key.pub")
+        for r in self.cfg.relay_order():
+            self.spawn(r.name, ["relay", "run", "--store", str(self.run_dir / r.name), "--port", str(relay_ports[r.name]),
+                                "--coordinator-key", pub, "--upstream", urls[r.upstream], "--poll-interval", "1"], "relay")
+        kinds = [""] * self.cfg.honest_nodes + list(self.cfg.adversaries)
+        from veriroll.protos.identity import write_keypair
+
+        for i, kind in enumerate(kinds):
+            name = f"node-{i + 1}" + (f"-{kind}" if kind else "")
+            key = self.run_dir / name / "node.key"
+            node_id = write_keypair(key, force=True).node_id
+            args = ["node", "run", "--coordinator", f"127.0.0.1:{ports['grpc']}", "--ca", str(self.coord_dir / "tls" / "ca.crt"),
+                    "--key", str(key), "--coordinator-key", pub, "--cache-dir", str(self.run_dir / name / "cache"),
+                    "--threads", str(self.cfg.node_threads), "--display-name", name, "--heartbeat-s", "2",
+                    "--status-file", str(self.run_dir / name / "status.json")]
+            for url in leaves:
+                args += ["--relay", url]
+            if kind:
+                args += ["--adversary", kind]
+            self.spawn(name, args, "adversary" if kind else "node", threads=self.cfg.node_threads, node_id=node_id,
+                       adversary=kind)
+        return {"ports": ports, "init": info, "relays": urls}
+
+    def stop(self) -> None:
+        for p in reversed(self.procs):
+            if p.popen.poll() is None:
+                try:
+                    os.killpg(p.popen.pid, signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
+        deadline = time.time() + 20
+        for p in self.procs:
+            try:
+                p.popen.wait(timeout=max(0.1, deadline - time.time()))
+            except subprocess.TimeoutExpired:
+                os.killpg(p.popen.pid, signal.SIGKILL)
+                p.popen.wait()
+
+    # --- observing ---------------------------------------------------------------------------------
+
+    def snapshot(self) -> dict:
+        """What the coordinator's database says now (read-only; the coordinator keeps writing)."""
+        path = self.coord_dir / "state.db"
+        if not path.exists():
+            return {}
+        conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=5)
+        conn.row_factory = sqlite3.Row
+        try:
+            kv = {r["key"]: json.loads(r["value"]) for r in conn.execute("SELECT key, value FROM kv")}
+            nodes = {r["node_id"]: dict(r) for r in conn.execute(
+                "SELECT node_id, display_name, standing, strikes, accepted_groups, accepted_tokens FROM nodes")}
+            rej: dict[str, dict[str, int]] = {}
+            for r in conn.execute("SELECT node_id, reason, count FROM rejection_counts"):
+                rej.setdefault(r["node_id"], {})[r["reason"]] = r["count"]
+            recent = [r[0] for r in conn.execute("SELECT mean_reward FROM groups ORDER BY group_id DESC LIMIT 32")]
+            accepted = conn.execute("SELECT COUNT(*) FROM groups").fetchone()[0]
+            stale = conn.execute("SELECT COUNT(*) FROM groups WHERE dropped IS NOT NULL").fetchone()[0]
+        except sqlite3.Error:
+            return {}
+        finally:
+            conn.close()
+        history = kv.get("trainer_history") or []
+        return {"kv": kv, "nodes": nodes, "rejections": rej, "accepted_groups": accepted, "dropped_groups": stale,
+                "recent_reward": sum(recent) / len(recent) if recent else 0.0, "history": history}
+
+    def summary(self, snap: dict, wall_s: float) -> dict:
+        by_node_name = {p.node_id: p for p in self.procs if p.node_id}
+        rejections_by_reason: dict[str, int] = {}
+        rejections_by_node: dict[str, dict[str, int]] = {}
+        honest_rejected = 0
+        for node_id, reasons in snap.get("rejections", {}).items():
+            for reason, n in reasons.items():
+                rejections_by_reason[reason] = rejections_by_reason.get(reason, 0) + n
+            if node_id:
+                proc = by_node_name.get(node_id)
+                rejections_by_node[proc.name if proc else node_id] = dict(reasons)
+                if proc is not None and not proc.adversary:
+                    honest_rejected += sum(n for r, n in reasons.items() if r not in BENIGN_REASONS)
+        adversarial_accepted = sum(n["accepted_groups"] for nid, n in snap.get("nodes", {}).items()
+                                   if by_node_name.get(nid) is not None and by_node_name[nid].adversary
+                                   and by_node_name[nid].adversary != "claimed-rewards")
+        history = snap.get("history", [])
+        final_reward = history[-1].get("reward_running", history[-1].get("reward")) if history else snap.get("recent_reward", 0.0)
+        return {
+            "steps": int(snap.get("kv", {}).get("trainer_step", 0)),
+            "final_reward": round(float(final_reward or 0.0), 4),
+            "accepted_groups": int(snap.get("accepted_groups", 0)),
+            "rejections_by_reason": rejections_by_reason,
+            "rejections_by_node": rejections_by_node,
+            "honest_rejected": honest_rejected,
+            "adversarial_accepted": adversarial_accepted,
+            "wall_s": round(wall_s, 1),
+            "policy_version": int(snap.get("kv", {}).get("policy_version", 0)),
+            "run_dir": str(self.run_dir),
+        }
+
+    def done(self, snap: dict) -> bool:
+        kv = snap.get("kv", {})
+        if kv.get("trainer_done"):
+            return True
+        return bool(self.cfg.steps) and int(kv.get("trainer_step", 0)) >= self.cfg.steps
+
+
+def render_table(net: Testnet, snap: dict, elapsed: float):
+    from rich.table import Table
+
+    kv = snap.get("kv", {})
+    history = snap.get("history", [])
+    last = history[-1] if history else {}
+    t = Table(title=f"veriroll testnet — {elapsed:.0f}s — version {kv.get('policy_version', 0)}, step {kv.get('trainer_step', 0)}, "
+                    f"reward {last.get('reward', snap.get('recent_reward', 0.0)):.2f}, staleness {last.get('mean_staleness', 0)}")
+    for col in ("process", "role", "state", "accepted", "rejected (by reason)", "standing"):
+        t.add_column(col)
+    nodes = snap.get("nodes", {})
+    rej = snap.get("rejections", {})
+    for p in net.procs:
+        state = "running" if p.popen.poll() is None else f"exit {p.popen.returncode}"
+        n = nodes.get(p.node_id, {})
+        reasons = ", ".join(f"{k}:{v}" for k, v in sorted(rej.get(p.node_id, {}).items())) if p.node_id else ""
+        t.add_row(p.name, p.role + (f" ({p.adversary})" if p.adversary else ""), state,
+                  str(n.get("accepted_groups", "")), reasons, n.get("standing", ""))
+    return t
+
+
+def plot_rewards(history: list[dict], out: Path) -> Path | None:
+    if not history:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [h.get("step", i) for i, h in enumerate(history)]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot(steps, [h.get("reward", 0.0) for h in history], label="batch reward")
+    if any("reward_running" in h for h in history):
+        ax.plot(steps, [h.get("reward_running", 0.0) for h in history], label="running mean")
+    ax.set_xlabel("trainer step")
+    ax.set_ylabel("mean reward")
+    ax.set_ylim(0, 1.05)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+def run(cfg: TestnetConfig, run_dir: Path, *, live: bool, as_json: bool) -> int:
+    net = Testnet(cfg, run_dir)
+    t0 = time.time()
+    status = 1
+    snap: dict = {}
+    try:
+        if not as_json:
+            print(f"starting the testnet in {run_dir} (first start builds version 0: ~10-60 s)", file=sys.stderr)
+        net.start()
+        console_live = None
+        if live:
+            from rich.live import Live
+
+            console_live = Live(render_table(net, {}, 0), refresh_per_second=2, transient=False)
+            console_live.start()
+        last_line = 0.0
+        while True:
+            time.sleep(1.0)
+            snap = net.snapshot() or snap
+            elapsed = time.time() - t0
+            if console_live is not None:
+                console_live.update(render_table(net, snap, elapsed))
+            elif not as_json and time.time() - last_line > 10:
+                last_line = time.time()
+                s = net.summary(snap, elapsed)
+                print(f"[{elapsed:6.0f}s] step {s['steps']} version {s['policy_version']} reward {s['final_reward']:.2f} "
+                      f"accepted {s['accepted_groups']} rejected {s['rejections_by_reason']}", file=sys.stderr, flush=True)
+            coord = net.procs[0].popen
+            if coord.poll() is not None:
+                print(f"the coordinator exited with {coord.returncode}; see {net.procs[0].log}", file=sys.stderr)
+                break
+            if net.done(snap):
+                status = 0
+                break
+            if elapsed > cfg.timeout_s:
+                print(f"timed out after {cfg.timeout_s:.0f}s", file=sys.stderr)
+                break
+        if console_live is not None:
+            console_live.stop()
+    except KeyboardInterrupt:
+        print("interrupted; stopping the testnet", file=sys.stderr)
+    finally:
+        net.stop()
+    summary = net.summary(snap, time.time() - t0)
+    (run_dir / "metrics.json").write_text(json.dumps({"summary": summary, "trainer_history": snap.get("history", [])}))
+    png = plot_rewards(snap.get("history", []), run_dir / "reward_curve.png")
+    summary["reward_curve"] = str(png) if png else None
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    if as_json:
+        print(json.dumps(summary))
+    else:
+        print(json.dumps(summary, indent=2))
+    return status
+
+
+def cmd_testnet(args) -> int:
+    overrides = {}
+    if args.steps is not None:
+        overrides["steps"] = args.steps
+    if args.honest is not None:
+        overrides["honest_nodes"] = args.honest
+    if args.adversary is not None:
+        overrides["adversaries"] = [a for a in args.adversary if a and a != "none"]
+    if args.timeout is not None:
+        overrides["timeout_s"] = args.timeout
+    cfg = load_topology(args.config, overrides)
+    run_dir = Path(args.dir) if args.dir else Path("runs") / time.strftime("testnet-%Y%m%d-%H%M%S")
+    live = sys.stderr.isatty() and not args.json and not args.no_live
+    return run(cfg, run_dir.resolve(), live=live, as_json=args.json)
+
+
+def register(subparsers) -> None:
+    q = subparsers.add_parser("testnet", help="run the whole network locally: coordinator, relays, honest and adversarial nodes")
+    q.add_argument("--config", help="topology TOML (default: deploy/testnet.toml shipped with veriroll)")
+    q.add_argument("--steps", type=int, help="train this many steps instead of until the target reward")
+    q.add_argument("--honest", type=int, help="number of honest nodes")
+    q.add_argument("--adversary", action="append", help="adversarial node of this KIND (repeatable; 'none' for none)")
+    q.add_argument("--timeout", type=float, help="give up after this many seconds")
+    q.add_argument("--dir", help="run directory (default runs/testnet-<time>)")
+    q.add_argument("--json", action="store_true", help="print the final summary as one JSON line")
+    q.add_argument("--no-live", action="store_true", help="plain progress lines instead of the live table")
+    q.set_defaults(func=cmd_testnet)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="veriroll-testnet")
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    register(sub)
+    args = parser.parse_args(["testnet", *(argv or sys.argv[1:])])
+    return args.func(args)

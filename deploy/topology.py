@@ -1,0 +1,58 @@
+"""The local network's topology, one source for both launchers: the process testnet and docker compose.
+
+``deploy/testnet.toml`` holds it; ``veriroll testnet`` reads it, and ``deploy/docker-compose.yml`` is
+generated from it (``python -m veriroll.deploy.compose``); a test checks that the two agree.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from veriroll.protos.config import load_config
+
+DEFAULT_TOPOLOGY = Path(__file__).resolve().parent / "testnet.toml"
+
+
+class RelaySpec(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(description="service name (relay-1, ...)")
+    upstream: str = Field("origin", description="'origin' (the coordinator's relay) or the name of another relay")
+
+
+class TestnetConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    preset: str = Field("tiny-arith", description="coordinator preset (model and task)")
+    target_reward: float = Field(0.9, description="stop once the trainer's running mean reward reaches this")
+    steps: int = Field(0, ge=0, description="stop after this many trainer steps instead (0: use target_reward)")
+    timeout_s: float = Field(1800.0, gt=0, description="give up after this long")
+    honest_nodes: int = Field(3, ge=0, description="honest node processes")
+    adversaries: list[str] = Field(default_factory=lambda: ["forged-logprobs"],
+                                   description="one adversarial node per entry, by kind (veriroll node run --adversary)")
+    relays: list[RelaySpec] = Field(default_factory=lambda: [RelaySpec(name="relay-1", upstream="origin"),
+                                                             RelaySpec(name="relay-2", upstream="relay-1")],
+                                    description="relay chain; nodes fetch from the last relays first")
+    node_threads: int = Field(1, ge=1, description="torch threads per node")
+    coordinator: dict = Field(default_factory=dict, description="coordinator config overrides (section.field = value)")
+
+    def relay_order(self) -> list[RelaySpec]:
+        """Relays in start order (each after its upstream)."""
+        done: set[str] = {"origin"}
+        order: list[RelaySpec] = []
+        pending = list(self.relays)
+        while pending:
+            ready = [r for r in pending if r.upstream in done]
+            if not ready:
+                raise ValueError(f"relay upstreams form a cycle or name unknown relays: {[r.name for r in pending]}")
+            for r in ready:
+                order.append(r)
+                done.add(r.name)
+                pending.remove(r)
+        return order
+
+
+def load_topology(path: str | Path | None = None, overrides=()) -> TestnetConfig:
+    return load_config(TestnetConfig, path or DEFAULT_TOPOLOGY, overrides=overrides, env_prefix="VERIROLL_TESTNET_")
