@@ -44,6 +44,9 @@ def cmd_init(args) -> int:
 
     base = Path(args.dir).resolve()
     cfg_path = base / "coordinator.toml"
+    if cfg_path.exists() and args.exist_ok and not args.force:
+        print(f"{base} is already a coordinator directory; keeping it")
+        return 0
     if cfg_path.exists() and not args.force:
         print(f"{base} is already a coordinator directory (use --force to recreate it)", file=sys.stderr)
         return 2
@@ -188,6 +191,7 @@ def register(subparsers) -> None:
     q.add_argument("--hostname", action="append", default=["localhost"], help="extra TLS hostname (repeatable)")
     q.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override, e.g. leases.group_size=8")
     q.add_argument("--force", action="store_true", help="recreate an existing directory's state")
+    q.add_argument("--exist-ok", dest="exist_ok", action="store_true", help="do nothing if DIR is already initialized")
     q.add_argument("--json", action="store_true", help="print a JSON summary")
     q.set_defaults(func=cmd_init)
 

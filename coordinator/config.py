@@ -74,6 +74,7 @@ class TrainerConfig(_Section):
     kl_coef: float = Field(0.0, ge=0, description="KL penalty coefficient against version 0")
     max_steps: int = Field(0, ge=0, description="stop training after this many steps (0: never)")
     target_reward: float = Field(0.0, description="stop training once the running mean reward reaches this (0: never)")
+    target_window: int = Field(5, ge=1, description="steps in the running mean reward compared with target_reward")
     threads: int = Field(1, ge=1, description="torch threads for training")
 
 
@@ -83,6 +84,7 @@ class ShardcastConfig(_Section):
     keep_versions: int = Field(4, ge=1, description="published versions kept in the store")
     origin_port: int = Field(0, description="port of the built-in origin relay (0: pick a free one; -1: none)")
     relays: list[str] = Field(default_factory=list, description="relay URLs announced to nodes (the origin is added)")
+    origin_url: str = Field("", description="URL nodes and relays use for the origin relay (default http://HOST:PORT of its bind address)")
 
 
 class CoordinatorConfig(_Section):
@@ -91,9 +93,9 @@ class CoordinatorConfig(_Section):
     checkpoints: str = Field("checkpoints", description="directory of policy versions (HF format) and trainer state")
     model_dtype: str = Field("float32", description="dtype of the trusted model: float32 or bfloat16")
     verifier_threads: int = Field(1, ge=1, description="torch threads for verification")
-    server: ServerConfig = Field(default_factory=ServerConfig)
-    leases: LeaseConfig = Field(default_factory=LeaseConfig)
-    intake: IntakeConfig = Field(default_factory=IntakeConfig)
-    environment: EnvironmentConfig = Field(default_factory=EnvironmentConfig)
-    trainer: TrainerConfig = Field(default_factory=TrainerConfig)
-    shardcast: ShardcastConfig = Field(default_factory=ShardcastConfig)
+    server: ServerConfig = Field(default_factory=ServerConfig, description="gRPC edge: address, TLS, limits")
+    leases: LeaseConfig = Field(default_factory=LeaseConfig, description="what a lease asks for and how long it lives")
+    intake: IntakeConfig = Field(default_factory=IntakeConfig, description="checks on submitted groups, strikes, audits")
+    environment: EnvironmentConfig = Field(default_factory=EnvironmentConfig, description="prompt source and rubric")
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig, description="the asynchronous off-policy trainer")
+    shardcast: ShardcastConfig = Field(default_factory=ShardcastConfig, description="weight broadcast: store and relays")

@@ -26,7 +26,7 @@ async def start_publisher(coord, key: PrivateKey) -> None:
     store.mkdir(parents=True, exist_ok=True)
     relay = RelayServer(store, key.public, host=coord.cfg.server.host, port=cfg.origin_port, keep=cfg.keep_versions)
     await relay.start()
-    coord.origin_url = relay.url
+    coord.origin_url = cfg.origin_url or relay.url
     coord.closers.append(relay.stop)
     lock = asyncio.Lock()
 
@@ -44,5 +44,5 @@ async def start_publisher(coord, key: PrivateKey) -> None:
 
     coord.publish_version = publish_version
     # Announce configured relays first (they exist to take load off the origin), the origin last.
-    coord.service.policy.relays = [*cfg.relays, relay.url]
+    coord.service.policy.relays = [*cfg.relays, coord.origin_url]
     await publish_version(coord.service.policy.version)

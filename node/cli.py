@@ -1,4 +1,4 @@
-"""``veriroll node …``: run, credits (and doctor)."""
+"""``veriroll node …``: run, doctor, credits."""
 
 from __future__ import annotations
 
@@ -114,8 +114,12 @@ def cmd_run(args) -> int:
         return 2
     os.environ.setdefault("OMP_NUM_THREADS", str(cfg.threads))
     logging.basicConfig(level=getattr(logging, args.log_level.upper()), format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    from veriroll.protos.identity import KeyFileError
+    from veriroll.protos.identity import KeyFileError, write_keypair
 
+    key_path = Path(cfg.key).expanduser()
+    if args.create_key and not key_path.exists():
+        node_id = write_keypair(key_path).node_id
+        print(f"created key {key_path} (node id {node_id}); back it up: it is this node's identity", file=sys.stderr)
     try:
         return asyncio.run(_run(cfg))
     except KeyFileError as exc:
@@ -155,6 +159,20 @@ def cmd_credits(args) -> int:
     return 0
 
 
+def cmd_doctor(args) -> int:
+    from veriroll.node.doctor import format_report, report, run_doctor
+
+    try:
+        cfg = load_node_config(args)
+    except ConfigError as exc:
+        print(exc, file=sys.stderr)
+        return 2
+    checks = asyncio.run(run_doctor(cfg, clock_offset_s=args.clock_offset_s, timeout_s=args.timeout_s))
+    result = report(checks)
+    print(json.dumps(result) if args.json else format_report(checks))
+    return 0 if result["ok"] else 1
+
+
 def _common(q: argparse.ArgumentParser) -> None:
     q.add_argument("--config", help="node settings TOML (flags > VERIROLL_NODE_* environment > file)")
     q.add_argument("--coordinator", help="coordinator HOST:PORT")
@@ -189,9 +207,20 @@ def register(subparsers) -> None:
     q.add_argument("--display-name", dest="display_name")
     q.add_argument("--status-file", dest="status_file", help="write JSON status here after each group")
     q.add_argument("--heartbeat-s", dest="heartbeat_s", type=float)
+    q.add_argument("--create-key", dest="create_key", action="store_true", help="create the key file if it does not exist")
     q.add_argument("--adversary", metavar="KIND", help=ADVERSARY_HELP)
     q.add_argument("--log-level", default="info")
     q.set_defaults(func=cmd_run)
+
+    q = sub.add_parser("doctor", help="check key, coordinator, TLS, clock, relays and disk; say what to fix")
+    _common(q)
+    q.add_argument("--relay", action="append", help="relay URL to test (repeatable; default: the coordinator's list)")
+    q.add_argument("--coordinator-key", dest="coordinator_key", help="coordinator public key (.pub) that signs checkpoints")
+    q.add_argument("--cache-dir", dest="cache_dir", help="where checkpoints will be kept (checked for free space)")
+    q.add_argument("--timeout-s", dest="timeout_s", type=float, default=5.0, help="deadline of each network check")
+    q.add_argument("--clock-offset-s", dest="clock_offset_s", type=float, default=0.0,
+                   help="TESTING: pretend this machine's clock is off by SECONDS")
+    q.set_defaults(func=cmd_doctor)
 
     q = sub.add_parser("credits", help="this node's ledger on the coordinator (signed query)")
     _common(q)
