@@ -50,6 +50,7 @@ class NodeStatus:
     connected: bool = False
     last_error: str = ""
     download: dict = field(default_factory=dict)
+    adversary: dict = field(default_factory=dict)  # TESTING ONLY: what an --adversary node tried and was told
 
     def as_dict(self) -> dict:
         d = dict(self.__dict__)
@@ -204,6 +205,8 @@ class NodeAgent:
             self.engine = await asyncio.to_thread(self.engine_factory, Path(path), version)
         else:
             await asyncio.to_thread(self.engine.load, Path(path), version)
+        if self.adversary is not None:  # TESTING ONLY: weight attacks bend the engine after each load
+            await asyncio.to_thread(self.adversary.prepare_engine, self.engine)
         self.status.loaded_version = version
         log.info("policy version %d is live", version)
         return self.engine
