@@ -191,6 +191,12 @@ class Database:
             self._run_batch(batch)
 
     def _run_batch(self, batch: list[_Op]) -> None:
+        # A caller that gave up (its call was cancelled, e.g. past its deadline) cancels its future while
+        # the op waits in the queue: skip those ops. Once marked running, an op can no longer be
+        # cancelled, so every op that runs is answered exactly once (a retry is then idempotent).
+        batch = [op for op in batch if op.future.set_running_or_notify_cancel()]
+        if not batch:
+            return
         results: list[tuple[_Op, bool, Any]] = []
         try:
             self.conn.execute("BEGIN IMMEDIATE")

@@ -262,10 +262,6 @@ def test_adversary_node_run_loop_is_banned_after_repeated_strikes(tmp_path):
     assert agent.status.as_dict()["adversary"]["breaches"] == 0
     assert summary["banned_nodes"] == 1 and summary["accepted_groups"] == 0
 
-
-@pytest.mark.xfail(strict=False, reason="coordinator/store.py: a write whose caller was cancelled (a call abandoned at "
-                                        "its deadline) makes Database._run_batch raise InvalidStateError on "
-                                        "set_result, which kills the writer thread; every later write hangs")
 def test_flood_of_abandoned_calls_leaves_the_coordinator_writing(tmp_path):
     async def scenario():
         base = make_coordinator_dir(tmp_path, {"server.key_burst": 5.0})
