@@ -23,6 +23,7 @@ from pathlib import Path
 from veriroll.deploy.topology import TestnetConfig, load_topology
 
 # Refusals an honest node can meet without doing anything wrong (a slow node, a restart, a full queue).
+HONEST_PAYLOAD_KINDS = {"claimed-rewards", "replay"}
 BENIGN_REASONS = {"lease_expired", "stale_version", "clock_skew", "rate_limited", "unavailable", "internal"}
 
 
@@ -178,9 +179,11 @@ class Testnet:
                 rejections_by_node[proc.name if proc else node_id] = dict(reasons)
                 if proc is not None and not proc.adversary:
                     honest_rejected += sum(n for r, n in reasons.items() if r not in BENIGN_REASONS)
+        # claimed-rewards and replay submit honest groups on purpose (the attack is in the wrapping), so
+        # their accepted groups are no breach; every other adversary's accepted group would be one.
         adversarial_accepted = sum(n["accepted_groups"] for nid, n in snap.get("nodes", {}).items()
                                    if by_node_name.get(nid) is not None and by_node_name[nid].adversary
-                                   and by_node_name[nid].adversary != "claimed-rewards")
+                                   and by_node_name[nid].adversary not in HONEST_PAYLOAD_KINDS)
         history = snap.get("history", [])
         final_reward = history[-1].get("reward_running", history[-1].get("reward")) if history else snap.get("recent_reward", 0.0)
         return {
