@@ -48,7 +48,10 @@ class Counter(_Metric):
         return self.values.get(self._key(labels), 0.0)
 
     def render(self) -> list[str]:
-        return self.header() + [f"{self.name}{_labels(self.label_names, k)} {v:g}" for k, v in sorted(self.values.items())]
+        values = dict(self.values)
+        if not self.label_names and not values:
+            values[()] = 0.0  # an unlabelled series exists from the start, so rate() and stat panels see 0, not "no data"
+        return self.header() + [f"{self.name}{_labels(self.label_names, k)} {v:g}" for k, v in sorted(values.items())]
 
 
 class Gauge(Counter):
@@ -138,3 +141,8 @@ class CoordinatorMetrics:
         self.trainer = r.gauge("veriroll_trainer", "trainer diagnostics of the last step", ("metric",))
         self.trainer_steps = r.counter("veriroll_trainer_steps_total", "optimizer steps taken")
         self.relay_versions = r.gauge("veriroll_relay_version", "newest version each relay holds", ("relay",))
+        # relay_* are set by the HTTP side's relay poll, open_leases on each scrape (coordinator/http.py).
+        self.relay_up = r.gauge("veriroll_relay_up", "1 when the relay answered its last poll, else 0", ("relay",))
+        self.open_leases = r.gauge("veriroll_open_leases", "leases handed out and not yet submitted or expired")
+        self.trainer_staleness = r.gauge("veriroll_trainer_staleness_samples",
+                                         "samples in the last trainer step by staleness (versions behind)", ("staleness",))

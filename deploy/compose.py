@@ -102,7 +102,8 @@ def build_compose(cfg: TestnetConfig) -> dict:
     }
     services["grafana"] = {
         "image": "grafana/grafana:11.3.0", "profiles": ["monitoring"], "ports": ["3000:3000"],
-        "volumes": ["./grafana:/etc/grafana/provisioning/dashboards/veriroll:ro"],
+        # Provisioning (datasource + dashboard provider) and the dashboards it loads.
+        "volumes": ["./grafana/provisioning:/etc/grafana/provisioning:ro", "./grafana:/var/lib/grafana/dashboards/veriroll:ro"],
         "depends_on": {"prometheus": {"condition": "service_started"}},
     }
     return {"name": "veriroll-testnet", "services": services, "volumes": {"coordinator-data": {}}}

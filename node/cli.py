@@ -78,7 +78,9 @@ def build_agent(cfg: NodeConfig, channel):
     return agent
 
 
-async def _run(cfg: NodeConfig) -> int:
+async def _run(cfg: NodeConfig, console=None) -> int:
+    from veriroll.node.live import watch
+
     channel = _channel(cfg)
     agent = build_agent(cfg, channel)
     loop = asyncio.get_running_loop()
@@ -100,9 +102,11 @@ async def _run(cfg: NodeConfig) -> int:
             pass
     print(f"node id {agent.key.node_id} (key {Path(cfg.key).expanduser()}); engine {agent.engine_kind} on {agent.device}",
           file=sys.stderr)
+    view = asyncio.create_task(watch(lambda: agent.status, console=console))
     try:
         return await agent.run()
     finally:
+        view.cancel()
         await channel.close()
 
 
@@ -113,15 +117,17 @@ def cmd_run(args) -> int:
         print(exc, file=sys.stderr)
         return 2
     os.environ.setdefault("OMP_NUM_THREADS", str(cfg.threads))
-    logging.basicConfig(level=getattr(logging, args.log_level.upper()), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    from veriroll.node.live import setup_output
     from veriroll.protos.identity import KeyFileError, write_keypair
+
+    console = setup_output(args.log_level)
 
     key_path = Path(cfg.key).expanduser()
     if args.create_key and not key_path.exists():
         node_id = write_keypair(key_path).node_id
         print(f"created key {key_path} (node id {node_id}); back it up: it is this node's identity", file=sys.stderr)
     try:
-        return asyncio.run(_run(cfg))
+        return asyncio.run(_run(cfg, console))
     except KeyFileError as exc:
         print(f"{exc}\ncreate a key with `veriroll keygen --out {cfg.key}`", file=sys.stderr)
         return 2

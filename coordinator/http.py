@@ -1,0 +1,360 @@
+"""The coordinator's HTTP side, on its own port: ``/metrics``, ``/healthz``, ``/api/status`` and the dashboard.
+
+This port is for the operator (Prometheus, a browser), never for nodes: nodes speak signed gRPC.
+
+Status queries run on the store's reader connection (``Database.run_read``), not on its writer
+thread, so a dashboard left open (or a slow aggregate over many groups) never delays intake; WAL
+lets the reader see every committed transaction without blocking the writer. One answer is cached
+for a second, so any number of open dashboards cost one query set per second.
+
+``/api/status`` shape (every key always present; lists may be empty)::
+
+    {
+      "time_ms": int,                       # coordinator clock
+      "summary": {policy_version, nodes, open_leases, accepted_groups, unconsumed_groups,
+                  rejections_by_reason: {reason: n}, banned_nodes, trainer_step},
+      "policy": {"version": int, "s_max": int, "relays": [url]},
+      "nodes_by_standing": {"probation": n, "trusted": n, "banned": n},
+      "nodes": [{node_id, display_name, standing, strikes, credits, accepted_groups, accepted_tokens,
+                 clean_groups, loaded_version, last_seen_ms, ban_reason, rejected, rejections: {reason: n},
+                 hardware: {...}}],
+      "rejections": {"by_reason": {reason: n},
+                     "timeline": {"bucket_s": s, "reasons": [reason],
+                                  "buckets": [{"t_ms": start, "counts": {reason: n}}]}},
+      "throughput": {"bucket_s": s, "buckets": [{"t_ms": start, "groups": n, "tokens": n}]},
+      "staleness": {"source": "trainer" | "queue" | "none", "steps": n, "histogram": {"0": n, "1": n}},
+      "trainer": {metric: value},           # the veriroll_trainer gauges (last step)
+      "trainer_history": [{step, version, time, time_ms, reward, approx_kl, clipfrac, mismatch_kl,
+                           staleness_hist: {s: n}, groups_per_s, tokens_per_s, ...}],
+                           # the trainer's kv "trainer_history" (oldest first, downsampled to ?points),
+                           # each entry as the trainer wrote it plus time_ms
+      "relays": [{"url", "ok", "latest", "versions", "error", "checked_ms"}]
+    }
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import sqlite3
+import time
+from pathlib import Path
+
+import aiohttp
+from aiohttp import web
+
+from veriroll.coordinator import store as st
+
+log = logging.getLogger("veriroll.coordinator.http")
+
+STATIC_DIR = Path(__file__).parent / "static"
+TRAINER_HISTORY_KEY = "trainer_history"
+MAX_HISTORY_POINTS = 2000  # the page never needs more points than a screen has pixels
+STALENESS_STEPS = 20  # the staleness chart sums this many most recent trainer steps
+TIMELINE_BUCKETS = 60
+DEFAULT_WINDOW_S = 24 * 3600
+BUCKET_SIZES_S = (10, 30, 60, 300, 900, 1800, 3600, 3 * 3600, 6 * 3600, 12 * 3600, 24 * 3600)
+STATUS_CACHE_S = 1.0
+RELAY_POLL_S = 10.0
+RELAY_TIMEOUT_S = 3.0
+# The page's scripts and styles are ours and same-origin; node-supplied text (display names) is only
+# ever set as textContent, and the policy below forbids inline script as a second line of defence.
+SECURITY_HEADERS = {
+    "Content-Security-Policy": "default-src 'self'; img-src 'self' data:; style-src 'self'; script-src 'self'; "
+                               "connect-src 'self'; frame-ancestors 'none'",
+    "X-Content-Type-Options": "nosniff",
+    "Referrer-Policy": "no-referrer",
+}
+
+
+# --- pure parts: bucketing and shaping ------------------------------------------------------------------
+
+
+def bucket_size_s(span_s: float, max_buckets: int = TIMELINE_BUCKETS) -> int:
+    """The smallest round bucket width that covers ``span_s`` in at most ``max_buckets`` buckets."""
+    for size in BUCKET_SIZES_S:
+        if span_s / size <= max_buckets:
+            return size
+    return int(math.ceil(span_s / max_buckets / 86400.0)) * 86400
+
+
+def timeline_bounds(first_ms: int | None, now_ms: int, max_buckets: int = TIMELINE_BUCKETS) -> tuple[int, int]:
+    """``(start_ms, bucket_ms)`` of a contiguous timeline from ``first_ms`` to ``now_ms``, aligned to the bucket."""
+    if first_ms is None:
+        return now_ms, BUCKET_SIZES_S[0] * 1000
+    size_ms = bucket_size_s(max(0.0, (now_ms - first_ms) / 1000.0), max_buckets) * 1000
+    return (first_ms // size_ms) * size_ms, size_ms
+
+
+def downsample(items: list, max_points: int = MAX_HISTORY_POINTS) -> list:
+    """Every k-th item so at most ``max_points`` remain; the newest item is always kept."""
+    if len(items) <= max_points:
+        return list(items)
+    stride = math.ceil(len(items) / max_points)
+    out = items[::stride]
+    if out[-1] is not items[-1]:
+        out = out[:-1] + [items[-1]] if len(out) >= max_points else out + [items[-1]]
+    return out
+
+
+def staleness_from_history(history: list[dict], steps: int = STALENESS_STEPS) -> dict[str, int]:
+    """Samples by staleness summed over the newest ``steps`` entries.
+
+    Each entry's ``staleness_hist`` (the trainer's key; ``staleness`` is read too) is ``{s: n}`` or ``[n0, n1, ...]``.
+    """
+    total: dict[int, int] = {}
+    for entry in history[-steps:]:
+        hist = entry.get("staleness_hist", entry.get("staleness"))
+        pairs = enumerate(hist) if isinstance(hist, list) else (hist or {}).items() if isinstance(hist, dict) else ()
+        for s, n in pairs:
+            try:
+                total[int(s)] = total.get(int(s), 0) + int(n)
+            except (TypeError, ValueError):
+                continue
+    return {str(s): total[s] for s in sorted(total)}
+
+
+def normalize_history(history) -> list[dict]:
+    """The trainer's entries, each with ``time_ms`` (from its ``time`` in seconds) for the page's time axes."""
+    out = []
+    for entry in history if isinstance(history, list) else []:
+        if not isinstance(entry, dict):
+            continue
+        if "time_ms" not in entry and isinstance(entry.get("time"), int | float):
+            entry = {**entry, "time_ms": int(entry["time"] * 1000)}
+        out.append(entry)
+    return out
+
+
+def _finite(value):
+    """JSON has no NaN/Infinity: the page gets ``null`` (a gap) instead."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_finite(v) for v in value]
+    return value
+
+
+# --- the read side --------------------------------------------------------------------------------------
+
+
+def read_status(conn: sqlite3.Connection, now_ms: int, window_s: float = DEFAULT_WINDOW_S,
+                max_points: int = MAX_HISTORY_POINTS) -> dict:
+    """Everything ``/api/status`` says that lives in the database, in one read transaction."""
+    conn.execute("BEGIN")
+    try:
+        summary = st.status_summary(conn)
+        nodes = st.list_nodes(conn)
+        by_node = st.rejections_by_node(conn)
+        since = now_ms - int(window_s * 1000)
+        standings = {s: 0 for s in st.STANDINGS}
+        for n in nodes:
+            rej = by_node.get(n["node_id"], {})
+            n["rejections"] = rej
+            n["rejected"] = sum(rej.values())
+            n["credits"] = float(n["accepted_tokens"])  # the ledger's credit unit (GetLedger): accepted tokens
+            standings[n["standing"]] = standings.get(n["standing"], 0) + 1
+
+        first = conn.execute("SELECT MIN(time_ms) FROM rejections WHERE time_ms >= ?", (since,)).fetchone()[0]
+        start, size = timeline_bounds(first, now_ms)
+        rows = conn.execute("SELECT (time_ms - ?) / ? AS b, reason, COUNT(*) AS n FROM rejections WHERE time_ms >= ? "
+                            "GROUP BY b, reason", (start, size, start)).fetchall()
+        n_buckets = 0 if first is None else (now_ms - start) // size + 1
+        buckets = [{"t_ms": start + i * size, "counts": {}} for i in range(n_buckets)]
+        reasons: set[str] = set()
+        for r in rows:
+            if 0 <= r["b"] < n_buckets:
+                buckets[r["b"]]["counts"][r["reason"]] = int(r["n"])
+                reasons.add(r["reason"])
+        rejections = {"by_reason": summary["rejections_by_reason"],
+                      "timeline": {"bucket_s": size // 1000, "reasons": sorted(reasons), "buckets": buckets}}
+
+        first = conn.execute("SELECT MIN(arrival_ms) FROM groups WHERE arrival_ms >= ?", (since,)).fetchone()[0]
+        start, size = timeline_bounds(first, now_ms)
+        n_buckets = 0 if first is None else (now_ms - start) // size + 1
+        tbuckets = [{"t_ms": start + i * size, "groups": 0, "tokens": 0} for i in range(n_buckets)]
+        for r in conn.execute("SELECT (arrival_ms - ?) / ? AS b, COUNT(*) AS g, SUM(tokens) AS t FROM groups "
+                              "WHERE arrival_ms >= ? GROUP BY b", (start, size, start)):
+            if 0 <= r["b"] < n_buckets:
+                tbuckets[r["b"]].update(groups=int(r["g"]), tokens=int(r["t"] or 0))
+        throughput = {"bucket_s": size // 1000, "buckets": tbuckets}
+
+        history = normalize_history(st.kv_get(conn, TRAINER_HISTORY_KEY, None))
+        if history:
+            staleness = {"source": "trainer", "steps": min(len(history), STALENESS_STEPS),
+                         "histogram": staleness_from_history(history)}
+        else:
+            # No trainer steps yet: what the queue would give it, measured against the newest version.
+            version = summary["policy_version"]
+            rows = conn.execute("SELECT ? - policy_version AS s, COUNT(*) AS n FROM groups WHERE consumed_step IS NULL "
+                                "AND dropped IS NULL GROUP BY s ORDER BY s", (version,)).fetchall()
+            staleness = {"source": "queue" if rows else "none", "steps": 0,
+                         "histogram": {str(int(r["s"])): int(r["n"]) for r in rows}}
+    finally:
+        conn.execute("COMMIT")
+    return {
+        "summary": summary,
+        "nodes_by_standing": standings,
+        "nodes": nodes,
+        "rejections": rejections,
+        "throughput": throughput,
+        "staleness": staleness,
+        "trainer_history": downsample(history, max_points),
+    }
+
+
+class StatusSource:
+    """Builds ``/api/status`` answers for one coordinator; caches the last one briefly; polls relays."""
+
+    def __init__(self, coord):
+        self.coord = coord
+        self._cache: tuple[float, tuple, dict] | None = None
+        self._lock = asyncio.Lock()
+        self.relays: dict[str, dict] = {}
+
+    async def status(self, window_s: float = DEFAULT_WINDOW_S, max_points: int = MAX_HISTORY_POINTS) -> dict:
+        key = (window_s, max_points)
+        async with self._lock:
+            if self._cache and self._cache[1] == key and time.monotonic() - self._cache[0] < STATUS_CACHE_S:
+                return self._cache[2]
+            svc = self.coord.service
+            now = svc.clock()
+            body = await self.coord.db.run_read(lambda c: read_status(c, now, window_s, max_points))
+            body["time_ms"] = now
+            body["policy"] = {"version": svc.policy.version, "s_max": self.coord.cfg.intake.s_max,
+                              "relays": list(svc.policy.relays)}
+            body["trainer"] = {k[0]: v for k, v in sorted(svc.metrics.trainer.values.items())}
+            body["relays"] = [self.relays.get(u) or {"url": u, "ok": None, "latest": None, "versions": [], "error": "",
+                                                     "checked_ms": 0} for u in self.relay_urls()]
+            body = _finite(body)
+            self._cache = (time.monotonic(), key, body)
+            return body
+
+    def relay_urls(self) -> list[str]:
+        from veriroll.shardcast.fetch import normalize_relay_url
+
+        urls = list(self.coord.service.policy.relays)
+        origin = getattr(self.coord, "origin_url", None)
+        if origin:
+            urls.append(origin)
+        return list(dict.fromkeys(normalize_relay_url(u) for u in urls))
+
+    async def poll_relays(self, session: aiohttp.ClientSession) -> None:
+        """Ask every announced relay which versions it holds; export them as ``veriroll_relay_version``."""
+        metrics = self.coord.service.metrics
+
+        async def one(url: str) -> dict:
+            entry = {"url": url, "ok": False, "latest": None, "versions": [], "error": "",
+                     "checked_ms": self.coord.service.clock()}
+            try:
+                async with session.get(url + "/versions", timeout=aiohttp.ClientTimeout(total=RELAY_TIMEOUT_S)) as r:
+                    if r.status != 200:
+                        raise ValueError(f"HTTP {r.status}")
+                    data = await r.json(content_type=None)
+                entry.update(ok=True, latest=data.get("latest"), versions=list(data.get("versions") or []))
+            except (aiohttp.ClientError, TimeoutError, ValueError, json.JSONDecodeError) as exc:
+                entry["error"] = str(exc) or type(exc).__name__
+            return entry
+
+        urls = self.relay_urls()
+        results = await asyncio.gather(*(one(u) for u in urls))
+        self.relays = {e["url"]: e for e in results}
+        metrics.relay_versions.clear()
+        metrics.relay_up.clear()
+        for e in results:
+            metrics.relay_up.set(1 if e["ok"] else 0, relay=e["url"])
+            metrics.relay_versions.set(e["latest"] if e["latest"] is not None else -1, relay=e["url"])
+
+
+# --- the handlers (translation only) --------------------------------------------------------------------
+
+
+def _float_param(request: web.Request, name: str, default: float, lo: float, hi: float) -> float:
+    raw = request.query.get(name)
+    if raw is None:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise web.HTTPBadRequest(text=f"{name} must be a number\n") from None
+    return min(max(value, lo), hi)
+
+
+def make_app(coord, source: StatusSource) -> web.Application:
+    metrics = coord.service.metrics
+
+    async def metrics_handler(request: web.Request) -> web.Response:
+        summary = await coord.service.refresh_gauges()
+        metrics.open_leases.set(summary["open_leases"])
+        return web.Response(text=metrics.registry.render(), content_type="text/plain",
+                            headers={"Cache-Control": "no-cache"}, charset="utf-8")
+
+    async def healthz(request: web.Request) -> web.Response:
+        try:
+            version = await asyncio.wait_for(coord.db.run(lambda c: st.kv_get(c, "policy_version", 0)), timeout=5)
+        except Exception as exc:  # noqa: BLE001 - any failure to reach the store is "unhealthy"
+            return web.json_response({"ok": False, "error": f"database: {exc or type(exc).__name__}"}, status=503)
+        return web.json_response({"ok": True, "policy_version": int(version), "time_ms": coord.service.clock()},
+                                 headers={"Cache-Control": "no-cache"})
+
+    async def status(request: web.Request) -> web.Response:
+        window = _float_param(request, "window_s", DEFAULT_WINDOW_S, 60, 365 * 86400)
+        points = int(_float_param(request, "points", MAX_HISTORY_POINTS, 10, 20000))
+        body = await source.status(window, points)
+        return web.json_response(body, headers={"Cache-Control": "no-cache"})
+
+    async def index(request: web.Request) -> web.FileResponse:
+        return web.FileResponse(STATIC_DIR / "index.html", headers={"Cache-Control": "no-cache"})
+
+    @web.middleware
+    async def security_headers(request: web.Request, handler):
+        response = await handler(request)
+        response.headers.update(SECURITY_HEADERS)
+        return response
+
+    app = web.Application(middlewares=[security_headers])
+    app.router.add_get("/", index)
+    app.router.add_get("/metrics", metrics_handler)
+    app.router.add_get("/healthz", healthz)
+    app.router.add_get("/api/status", status)
+    app.router.add_static("/static/", STATIC_DIR, show_index=False, follow_symlinks=False)
+    return app
+
+
+async def _relay_loop(source: StatusSource) -> None:
+    async with aiohttp.ClientSession() as session:
+        while True:
+            try:
+                await source.poll_relays(session)
+            except Exception:  # noqa: BLE001 - keep polling; one bad round must not end the loop
+                log.exception("relay poll failed")
+            await asyncio.sleep(RELAY_POLL_S)
+
+
+async def start_http(coord) -> web.AppRunner:
+    """Serve the operator's HTTP port for ``coord``; sets ``coord.http_port`` and registers cleanup."""
+    source = StatusSource(coord)
+    app = make_app(coord, source)
+    runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
+    await runner.setup()
+    site = web.TCPSite(runner, coord.cfg.server.host, coord.cfg.server.http_port, reuse_address=True)
+    await site.start()
+    coord.http_port = int(runner.addresses[0][1])
+    coord.http_status = source
+    poller = asyncio.create_task(_relay_loop(source), name="veriroll-relay-poll")
+
+    async def close() -> None:
+        poller.cancel()
+        try:
+            await poller
+        except (asyncio.CancelledError, Exception):  # noqa: BLE001 - shutting down
+            pass
+        await runner.cleanup()
+
+    coord.closers.append(close)
+    log.info("dashboard and metrics on http://%s:%d/", coord.cfg.server.host, coord.http_port)
+    return runner
