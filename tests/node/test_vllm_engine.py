@@ -62,6 +62,20 @@ def test_one_temperature_batch_is_the_reference_batch():
     assert torch.equal(logprobs, sampling.token_logprobs(logits, expected, 0.8))
 
 
+@pytest.mark.slow  # torch.compile takes minutes on 2 shared cores
+def test_fused_draw_picks_the_eager_draw():
+    draw = vs.fused_draw()
+    gen = torch.Generator().manual_seed(1)
+    for n in (3, 40):
+        logits = torch.randn(n, 2000, generator=gen) * 5
+        seeds = torch.randint(-(2**62), 2**62, (n,), generator=gen)
+        positions = torch.randint(0, 4096, (n,), generator=gen)
+        for temperature in (1.0, 0.7):
+            fused = vs.seeded_tokens(logits, [temperature] * n, seeds, positions, draw=draw)
+            assert all(torch.equal(a, b) for a, b in zip(fused, vs.seeded_tokens(logits, [temperature] * n, seeds,
+                                                                                positions), strict=True))
+
+
 def test_forced_rows_leave_greedy_nothing_but_the_draw():
     logits = torch.randn(6, 50)
     untouched = logits[[1, 4]].clone()
