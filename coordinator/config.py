@@ -76,6 +76,7 @@ class TrainerConfig(_Section):
     target_reward: float = Field(0.0, description="stop training once the running mean reward reaches this (0: never)")
     target_window: int = Field(5, ge=1, description="steps in the running mean reward compared with target_reward")
     threads: int = Field(1, ge=1, description="torch threads for training")
+    micro_batch_tokens: int = Field(2048, ge=1, description="most padded tokens (rows x longest row) per forward/backward; a step is split by length into micro-batches")
 
 
 class ShardcastConfig(_Section):

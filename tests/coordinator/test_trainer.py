@@ -1,0 +1,322 @@
+"""The trainer against a real store and policy store: which groups it trains on, what it drops and
+skips, when it publishes, how it resumes after a restart, and that a policy learns."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import time
+
+import numpy as np
+import pytest
+import torch
+from support import make_coordinator_dir, running_coordinator
+
+from veriroll.coordinator import store as st
+from veriroll.coordinator.app import load_coordinator_config
+from veriroll.coordinator.policy import PolicyStore
+from veriroll.coordinator.trainer import HISTORY_KEY, Trainer
+
+PROMPT = [1, 5, 14, 6, 15]  # <bos> 1 + 2 = in the test checkpoint's char vocabulary
+EOS = 2
+
+
+def insert_group(conn, rewards, *, policy_version=0, completion=(6, 7, EOS), logprob=-2.5, trusted=None,
+                 env="arithmetic", temperature=1.0, samples=None) -> int:
+    """An accepted group, written as the intake writes one. ``samples``, if given, is a list of
+    ``(token_ids, logprobs)`` that replaces the made-up completions."""
+    if samples is None:
+        samples = [([completion[0] + (i % 3), *completion[1:]], [logprob] * len(completion)) for i in range(len(rewards))]
+    pid = conn.execute("INSERT INTO prompts(env, text, answer, prompt_ids, state) VALUES(?, '1+2=', '3', ?, 'done')",
+                       (env, st.pack_i32(PROMPT))).lastrowid
+    n_tok = sum(len(t) for t, _ in samples)
+    gid = conn.execute(
+        "INSERT INTO groups(lease_id, node_id, prompt_id, env, policy_version, temperature, arrival_ms, content_hash, "
+        "tokens, mean_reward, verified) VALUES(?, 'node', ?, ?, ?, ?, ?, 'h', ?, ?, ?)",
+        (secrets.token_hex(8), pid, env, policy_version, temperature, int(time.time() * 1000), n_tok,
+         float(np.mean(rewards)), int(trusted is not None))).lastrowid
+    for i, (r, (tok, lp)) in enumerate(zip(rewards, samples, strict=True)):
+        conn.execute("INSERT INTO samples(group_id, idx, token_ids, logprobs, trusted_logprobs, reward, finish_reason) "
+                     "VALUES(?, ?, ?, ?, ?, ?, 'stop')",
+                     (gid, i, st.pack_i32(tok), st.pack_f32(lp),
+                      None if trusted is None else st.pack_f32([trusted] * len(tok)), float(r)))
+    return int(gid)
+
+
+def add_groups(db: st.Database, specs: list[dict]) -> list[int]:
+    return db.run_sync(lambda c: [insert_group(c, **s) for s in specs])
+
+
+def group_rows(db: st.Database) -> dict[int, dict]:
+    return {r["group_id"]: dict(r) for r in db.run_sync(
+        lambda c: c.execute("SELECT group_id, consumed_step, dropped FROM groups").fetchall())}
+
+
+def kv(db: st.Database, key: str, default=None):
+    return db.run_sync(lambda c: st.kv_get(c, key, default))
+
+
+SIGNAL = {"rewards": [1.0, 0.0, 0.0, 1.0]}
+FLAT = {"rewards": [1.0, 1.0, 1.0, 1.0]}
+
+
+@pytest.fixture()
+def trainer_env(tmp_path):
+    """A coordinator directory, its store and policy store, and a factory for a Trainer on them."""
+    made = []
+
+    def make(overrides: dict | None = None):
+        base = make_coordinator_dir(tmp_path / f"c{len(made)}", {"trainer.lr": 1e-3, "trainer.groups_per_step": 2,
+                                                                  "trainer.min_groups": 2, **(overrides or {})})
+        cfg = load_coordinator_config(base)
+        db = st.Database(base / cfg.database)
+        trainer = Trainer(cfg, db, PolicyStore(base / cfg.checkpoints))
+        made.append(db)
+        return trainer, db
+
+    yield make
+    for db in made:
+        db.close()
+
+
+def test_fresh_groups_are_trained_oldest_first_and_stale_ones_dropped_with_reason(trainer_env):
+    trainer, db = trainer_env({"intake.s_max": 1, "trainer.groups_per_step": 3, "trainer.min_groups": 1})
+    trainer.resume()
+    first = add_groups(db, [SIGNAL] * 2)
+    assert trainer.step().kind == "trained"  # version 0 -> 1
+    assert trainer.step().kind == "waiting"
+    assert trainer.version == 1
+    first += add_groups(db, [SIGNAL])
+    assert trainer.step().published == 2
+    # At version 2 with s_max 1: version 0 is stale, 1 and 2 are fresh.
+    stale = add_groups(db, [{**SIGNAL, "policy_version": 0}] * 2)
+    fresh = add_groups(db, [{**SIGNAL, "policy_version": v} for v in (1, 2, 2, 1)])
+    out = trainer.step()
+    rows = group_rows(db)
+    assert [rows[g]["dropped"] for g in stale] == ["stale", "stale"]
+    assert all(rows[g]["consumed_step"] is None for g in stale)
+    assert [rows[g]["consumed_step"] for g in fresh] == [3, 3, 3, None]  # oldest first, 3 per step
+    assert [rows[g]["consumed_step"] for g in first] == [1, 1, 2]
+    assert out.metrics["dropped_stale_groups"] == 2
+    assert out.metrics["frac_stale"] == pytest.approx(8 / (8 + 12))
+    assert out.metrics["staleness_hist"] == {"0": 8, "1": 4, "2": 8}
+    assert kv(db, "trainer_step") == 3
+
+
+def test_trainer_waits_and_says_so_while_too_few_fresh_groups(trainer_env, caplog):
+    trainer, db = trainer_env({"trainer.min_groups": 3, "trainer.groups_per_step": 4})
+    trainer.resume()
+    add_groups(db, [SIGNAL] * 2)
+    with caplog.at_level(logging.INFO, logger="veriroll.trainer"):
+        assert trainer.step().kind == "waiting"
+        assert trainer.step().kind == "waiting"
+    waits = [r for r in caplog.records if "waiting for groups" in r.getMessage()]
+    assert len(waits) == 1 and "2 fresh" in waits[0].getMessage() and "min_groups is 3" in waits[0].getMessage()
+    assert kv(db, "trainer_step") == 0
+    add_groups(db, [SIGNAL])
+    out = trainer.step()
+    assert out.kind == "trained" and out.metrics["groups"] == 3
+
+
+def test_zero_advantage_groups_are_skipped_counted_and_consumed(trainer_env):
+    trainer, db = trainer_env({"trainer.groups_per_step": 3})
+    trainer.resume()
+    ids = add_groups(db, [FLAT, SIGNAL, {"rewards": [0.0] * 4}])
+    out = trainer.step()
+    assert out.metrics["zero_adv_groups"] == 2
+    assert out.metrics["groups"] == 3 and out.metrics["grad_norm"] > 0
+    assert all(group_rows(db)[g]["consumed_step"] == 1 for g in ids)
+
+
+def test_a_batch_without_signal_counts_as_a_step_but_changes_no_weight(trainer_env):
+    trainer, db = trainer_env()
+    trainer.resume()
+    before = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+    add_groups(db, [FLAT, FLAT])
+    out = trainer.step()
+    assert out.kind == "trained" and out.metrics["zero_adv_groups"] == 2 and out.metrics["grad_norm"] is None
+    assert all(torch.equal(before[k], v) for k, v in trainer.model.state_dict().items())
+
+
+def test_decoupled_correction_uses_trusted_logprobs_and_reports_mismatch(trainer_env):
+    trainer, db = trainer_env({"trainer.correction": "decoupled"})
+    trainer.resume()
+    add_groups(db, [{**SIGNAL, "trusted": -2.0}, {**SIGNAL, "logprob": -3.0}])  # one verified, one not
+    out = trainer.step()
+    # Only the verified group's tokens enter the mismatch: k3 of (−2.0 − (−2.5)).
+    assert out.metrics["mismatch_kl"] == pytest.approx(np.expm1(0.5) - 0.5, rel=1e-5)
+    assert np.isfinite(out.metrics["loss"])
+
+
+def test_history_keeps_one_entry_per_step_with_the_dashboard_keys(trainer_env):
+    trainer, db = trainer_env()
+    trainer.resume()
+    add_groups(db, [SIGNAL] * 4)
+    trainer.step()
+    trainer.step()
+    history = kv(db, HISTORY_KEY)
+    assert [h["step"] for h in history] == [1, 2]
+    for key in ("step", "version", "time", "reward", "approx_kl", "clipfrac", "entropy", "grad_norm", "mismatch_kl",
+                "frac_stale", "staleness_hist", "groups", "tokens", "groups_per_s", "tokens_per_s",
+                "zero_adv_groups", "queue_depth"):
+        assert key in history[-1], key
+    assert history[0]["queue_depth"] == 2 and history[1]["queue_depth"] == 0
+    assert history[0]["reward"] == pytest.approx(0.5) and history[0]["tokens"] == 24
+
+
+def test_publishes_version_n_plus_1_after_publish_weights_every_steps(tmp_path):
+    base = make_coordinator_dir(tmp_path, {"trainer.enabled": True, "trainer.groups_per_step": 2,
+                                           "trainer.min_groups": 2, "trainer.publish_weights_every": 2})
+
+    async def scenario():
+        async with running_coordinator(base) as coord:
+            announced = []
+
+            async def publish_version(v):
+                announced.append(v)
+
+            coord.publish_version = publish_version
+            await coord.db.run(lambda c: [insert_group(c, **SIGNAL) for _ in range(2)])
+            await wait_for(coord, lambda: kv_now(coord, "trainer_step") == 1)
+            assert coord.service.policy.version == 0 and coord.policy_store.available() == [0]
+            await coord.db.run(lambda c: [insert_group(c, **SIGNAL) for _ in range(2)])
+            await wait_for(coord, lambda: kv_now(coord, "trainer_step") == 2 and announced)
+            assert announced == [1]
+            assert coord.service.policy.version == 1 and kv_now(coord, "policy_version") == 1
+            assert coord.policy_store.available() == [0, 1]
+            assert (coord.policy_store.version_dir(1) / "model.safetensors").exists()
+            metrics = coord.service.metrics
+            assert metrics.trainer_steps.get() == 2 and metrics.trainer.get(metric="version") == 1
+            assert metrics.trainer.get(metric="reward") == pytest.approx(0.5)
+
+    asyncio.run(scenario())
+
+
+def kv_now(coord, key, default=None):
+    return coord.db.run_sync(lambda c: st.kv_get(c, key, default))
+
+
+async def wait_for(coord, predicate, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"condition not met in {timeout} s; trainer_step={kv_now(coord, 'trainer_step')}")
+        await asyncio.sleep(0.05)
+
+
+def final_weights(base) -> dict:
+    cfg = load_coordinator_config(base)
+    store = PolicyStore(base / cfg.checkpoints)
+    from safetensors.torch import load_file
+
+    return load_file(store.version_dir(store.latest()) / "model.safetensors")
+
+
+def test_restart_resumes_from_the_checkpoint_and_trains_exactly_the_unconsumed_groups(tmp_path):
+    settings = {"trainer.enabled": True, "trainer.groups_per_step": 2, "trainer.min_groups": 2, "trainer.lr": 1e-3,
+                "trainer.checkpoint_every": 2, "intake.s_max": 4}
+    specs = [{"rewards": [1.0, 0.0, float(i % 2), 0.0]} for i in range(8)]
+
+    def seed(base, part):
+        db = st.Database(base / "state.db")
+        add_groups(db, part)
+        db.close()
+
+    async def run_until(base, step):
+        async with running_coordinator(base) as coord:
+            await wait_for(coord, lambda: kv_now(coord, "trainer_step") == step)
+            await asyncio.sleep(0.3)  # it must now be waiting, not training further
+            assert kv_now(coord, "trainer_step") == step
+            return coord.service.policy.version
+
+    # Reference: 4 steps without interruption.
+    ref = make_coordinator_dir(tmp_path / "ref", settings)
+    seed(ref, specs)
+    assert asyncio.run(run_until(ref, 4)) == 4
+
+    # Interrupted after step 3 (its last checkpoint is step 2), then restarted with two more groups.
+    base = make_coordinator_dir(tmp_path / "run", settings)
+    seed(base, specs[:6])
+    assert asyncio.run(run_until(base, 3)) == 3
+    db = st.Database(base / "state.db")
+    step3 = [g for g, r in group_rows(db).items() if r["consumed_step"] == 3]
+    db.close()
+    assert len(step3) == 2
+    seed(base, specs[6:])
+    # Versions are never reused: the retrained step 3 publishes version 4, step 4 version 5.
+    assert asyncio.run(run_until(base, 4)) == 5
+
+    db_ref, db_run = st.Database(ref / "state.db"), st.Database(base / "state.db")
+    try:
+        assert group_rows(db_ref) == group_rows(db_run)  # same groups in the same steps, each once
+        assert [h["step"] for h in kv(db_run, HISTORY_KEY)] == [1, 2, 3, 4]
+        assert kv(db_run, "policy_version") == 5
+    finally:
+        db_ref.close()
+        db_run.close()
+    a, b = final_weights(ref), final_weights(base)
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=0, atol=1e-6, msg=k)
+
+
+def test_max_steps_finishes_training_and_the_coordinator_keeps_serving(tmp_path):
+    base = make_coordinator_dir(tmp_path, {"trainer.enabled": True, "trainer.groups_per_step": 1,
+                                           "trainer.min_groups": 1, "trainer.max_steps": 2})
+
+    async def scenario():
+        async with running_coordinator(base) as coord:
+            await coord.db.run(lambda c: [insert_group(c, **SIGNAL) for _ in range(3)])
+            await wait_for(coord, lambda: kv_now(coord, "trainer_done") is True)
+            await asyncio.sleep(0.3)
+            assert kv_now(coord, "trainer_step") == 2
+            assert coord.db.run_sync(st.status_summary)["unconsumed_groups"] == 1
+            assert not coord.stopped.is_set()
+        # Restarting does not train further either; the final state was checkpointed.
+        async with running_coordinator(base) as coord:
+            await asyncio.sleep(0.3)
+            assert kv_now(coord, "trainer_step") == 2 and coord.trainer.done
+
+    asyncio.run(scenario())
+
+
+def test_target_reward_stops_training(trainer_env):
+    trainer, db = trainer_env({"trainer.target_reward": 0.7, "trainer.target_window": 2, "trainer.groups_per_step": 1,
+                               "trainer.min_groups": 1})
+    trainer.resume()
+    add_groups(db, [{"rewards": [1.0, 1.0, 1.0, 0.0]}] * 3)
+    trainer.step()
+    assert not trainer.done  # one step is not a window of two
+    trainer.step()
+    assert trainer.done and kv(db, "trainer_done") is True
+    assert trainer.step().kind == "done"
+
+
+def test_policy_learns_from_its_own_rollouts(trainer_env):
+    """Reward: the first completion token is '7'. Random init samples it ~1/16 of the time."""
+    from veriroll.node.engines.base import GenerationRequest
+    from veriroll.node.engines.torch import TorchEngine
+
+    trainer, db = trainer_env({"trainer.lr": 3e-3, "trainer.groups_per_step": 8, "trainer.min_groups": 8,
+                               "leases.group_size": 8})
+    trainer.resume()
+    target = 11  # '7' (4 special tokens, then "0123456789+=")
+    engine = TorchEngine(threads=1)
+    rng = np.random.default_rng(0)
+    curve = []
+    for _ in range(25):
+        v = trainer.version
+        if engine.version != v:
+            engine.load(trainer.policy_store.version_dir(v), v)
+        requests = [GenerationRequest(PROMPT, [int(s) for s in rng.integers(0, 2**63, 8)], 1.0, 2, [EOS])
+                    for _ in range(8)]
+
+        results = engine.generate(requests)
+        db.run_sync(lambda c, results=results, v=v: [
+            insert_group(c, [float(r.token_ids[0] == target) for r in res], policy_version=v,
+                         samples=[(r.token_ids, r.logprobs) for r in res]) for res in results])
+        out = trainer.step()
+        curve.append(out.metrics["reward"])
+    assert np.mean(curve[:5]) < 0.3
+    assert np.mean(curve[-5:]) > 0.6, curve
