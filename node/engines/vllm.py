@@ -354,17 +354,21 @@ class VLLMEngine(Engine):
             )
         names = llm.apply_model(_install_hook)
         log.info("vllm engine: hooked %s, vLLM %s", names, self._vllm.__version__)
-        _CAPTURE.draw = self._warm_draw() if self.fused_draw else vs.sampling.sample
+        vocab = int(_load_config(checkpoint_dir).get("vocab_size") or 8)
+        _CAPTURE.draw = self._warm_draw(vocab) if self.fused_draw else vs.sampling.sample
         return llm
 
-    def _warm_draw(self) -> vs.Draw:
+    def _warm_draw(self, vocab: int) -> vs.Draw:
         """The fused draw, compiled now (not in the first lease) for any row count; eager if it fails."""
         device = "cuda" if self.device.startswith("cuda") else "cpu"
         try:
             draw = vs.fused_draw()
-            for rows in (2, 3):
-                draw(torch.zeros(rows, 8, device=device), 1.0, torch.zeros(rows, dtype=torch.int64, device=device),
-                     torch.zeros(rows, dtype=torch.int64, device=device))
+            # vLLM samples under inference mode, which the compiled code is guarded on: warm it there.
+            with torch.inference_mode():
+                for rows in (2, 3):  # two sizes: the row count is dynamic from the start
+                    # distinct seed and position tensors: aliasing them would be a guard of its own
+                    seeds, positions = (torch.zeros(rows, dtype=torch.int64, device=device) for _ in range(2))
+                    draw(torch.zeros(rows, vocab, device=device), 1.0, seeds, positions)
             return draw
         except Exception:  # noqa: BLE001 - the eager draw is always right, only slower
             log.warning("could not compile the seeded draw; using the eager one", exc_info=True)

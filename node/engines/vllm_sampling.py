@@ -364,8 +364,9 @@ class StepRecorder:
 
         idx = torch.nonzero(mine).flatten()
         s, p = samples[idx], positions[idx]
-        limit = torch.tensor([lengths[int(x)] for x in s.tolist()], dtype=torch.int64)
-        inside = p < limit
+        limits = torch.zeros(int(wanted.max()) + 1, dtype=torch.int64)
+        limits[wanted] = torch.tensor([lengths[int(k)] for k in wanted], dtype=torch.int64)
+        inside = p < limits[s]
         idx, s, p = idx[inside], s[inside], p[inside]
         # Last record of each (sample, position): sort by (sample, position, record order) and take the
         # last entry of every run of equal keys.
