@@ -71,10 +71,17 @@ class RelayVersions:
             return ready
         task = self._tasks.get(version)
         if task is None or task.done():
-            if task is not None and task.done() and task.exception() is not None:
-                self.last_error = str(task.exception())
-            self._tasks[version] = asyncio.create_task(self._fetch(version, self.fixed_relays or relays))
+            task = self._tasks[version] = asyncio.create_task(self._fetch(version, self.fixed_relays or relays))
+            task.add_done_callback(self._note_failure)
         return None
+
+    def _note_failure(self, task: asyncio.Task) -> None:
+        # Retrieve the error here: a fetch that fails (a relay that has not mirrored the version yet) and is
+        # never asked for again would otherwise end as asyncio's "Task exception was never retrieved".
+        if task.cancelled() or task.exception() is None:
+            return
+        self.last_error = str(task.exception())
+        log.warning("fetching a policy version failed (retried when needed): %s", self.last_error)
 
     async def _fetch(self, version: int, relays: list[str]) -> Path:
         from veriroll.shardcast.fetch import fetch_version
