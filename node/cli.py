@@ -119,6 +119,7 @@ def cmd_run(args) -> int:
     os.environ.setdefault("OMP_NUM_THREADS", str(cfg.threads))
     from veriroll.node.live import setup_output
     from veriroll.protos.identity import KeyFileError, write_keypair
+    from veriroll.protos.service import CallError
 
     console = setup_output(args.log_level)
 
@@ -131,6 +132,12 @@ def cmd_run(args) -> int:
     except KeyFileError as exc:
         print(f"{exc}\ncreate a key with `veriroll keygen --out {cfg.key}`", file=sys.stderr)
         return 2
+    except CallError as exc:
+        # Refusals a node cannot retry its way out of (clock skew, ban, bad TLS...): say why, no traceback.
+        hint = {"clock_skew": "set the system clock (e.g. enable NTP) and start again",
+                "banned": "this key is banned on this coordinator"}.get(exc.reason, "see `veriroll node doctor`")
+        print(f"the coordinator refused this node: {exc}\n{hint}", file=sys.stderr)
+        return 3
 
 
 async def _credits(cfg: NodeConfig) -> dict:
