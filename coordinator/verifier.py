@@ -1,0 +1,393 @@
+"""The coordinator's verification stages: one trusted prefill per group, then TOPLOC → sampling → log-probs.
+
+For a group that passed the cheap intake stages, :class:`TrustedVerifier` runs the trusted weights of
+the claimed version over ``prompt + completion`` of every sample at once (one right-padded, teacher-
+forced forward), reads the final-norm hidden states (the LM head's input, exactly what the node's
+engine commits to) and the logits at the positions that produced each generated token, and judges:
+
+1. **TOPLOC** (:func:`veriroll.toploc.verify_many`): the node's commitments against the trusted hidden
+   states. Catches another model, another prompt, activations that were negated, rescaled or copied
+   from another sample, and bf16 generation claimed as float32.
+2. **Sampling** (:func:`veriroll.toploc.sampling.verify_samples`): every token must be the seeded
+   Gumbel draw on the trusted logits at the lease's temperature, up to near-ties. Catches tokens the
+   node chose itself (fabricated, cherry-picked among resamples) even when their hidden states were
+   honestly recomputed, a different temperature, and a policy whose logits moved enough to flip draws.
+3. **Log-probs**: the node's behaviour log-probs within a tolerance of the trusted ones at the lease's
+   temperature. Catches forged log-probs (inflated importance weights) and, because float32 engines
+   agree to ~1e-5, half-precision generation claimed as float32 (fp16's ~1e-3 error is below TOPLOC's
+   bf16 resolution but not below this check's float32 tolerance).
+
+The accepted group's trusted log-probs (float32, one array per sample) go to the trainer for the
+decoupled correction. The pure part, :func:`prefill_group` and :func:`judge_group`, works on any model
+and plain tensors; the class adds the weight cache, the thread settings and the never-raise wrapper.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+import math
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from veriroll.coordinator.intake import LeaseRecord, Rejection, Submission
+from veriroll.coordinator.service import VerificationResult
+from veriroll.protos.reasons import Reason
+from veriroll.toploc import verify_many
+from veriroll.toploc.sampling import token_logprobs, verify_samples
+
+log = logging.getLogger("veriroll.coordinator.verifier")
+
+CHUNK_SIZE, TOPK = 32, 128
+"""TOPLOC parameters every node's engine uses (the library defaults); proofs built otherwise fail."""
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+           "float16": torch.float16, "fp16": torch.float16}
+
+
+@dataclass(frozen=True)
+class Tolerances:
+    """Numerical slack of the sampling and log-prob checks for one trusted dtype (TOPLOC has its own,
+    :func:`veriroll.toploc.thresholds_for`).
+
+    Both checks compare quantities that move with the logits: two engines whose logits differ by up to
+    δ flip a replay only where two perturbed scores lie within 2δ, and move a log-prob by at most 2δ/T.
+    In float32 δ is ~1e-6 whatever the logits; in half precision it is a whole ulp of the largest logit,
+    hence a part relative to ``max|logit|`` of the trusted row.
+    """
+
+    margin_abs: float
+    """Sampling: a replay that picks another token is excused when the claimed token's perturbed score
+    (times T, so in logit units) is within ``margin_abs + margin_rel * max|logit|`` of the winner's."""
+    margin_rel: float
+    """Relative part of both slacks: half-precision logits differ by whole ulps of their magnitude."""
+    logprob: float
+    """Log-probs: the largest |node − trusted| allowed for any token is
+    ``logprob + margin_rel * max|logit| / T``."""
+
+    def margin_for(self, logits: torch.Tensor) -> torch.Tensor | float:
+        """The sampling slack per row of ``logits [N, V]``."""
+        if self.margin_rel == 0:
+            return self.margin_abs
+        return self.margin_abs + self.margin_rel * logits.detach().float().abs().amax(dim=-1)
+
+    def logprob_for(self, logits: torch.Tensor, temperature: float) -> torch.Tensor | float:
+        """The log-prob tolerance per row of ``logits [N, V]`` sampled at ``temperature``."""
+        if self.margin_rel == 0:
+            return self.logprob
+        return self.logprob + self.margin_rel * logits.detach().float().abs().amax(dim=-1) / temperature
+
+
+# Calibrated by benchmarks/toploc.py (full run: 1,632 honest samples, 0 rejected) on tiny Llamas:
+# 2L x 128 warm-started on arithmetic (sharp, max|logit| 5.6), 2L x 64 and 4L x 256 random init; node =
+# TorchEngine (KV cache; alone, in a mixed batch, split over batches; 1 or 2 threads), verifier = one
+# padded prefill, CPU. Worst honest figures, and the attacks each tolerance must still see:
+#   float32: |Δ log-prob| <= 3e-6, no replay ever flipped. fp16 generation claimed as float32, below
+#     TOPLOC's bf16 resolution, moves log-probs by 3e-5..1.4e-3 per sample (median 4e-4), so 1e-4
+#     (30x the honest worst) catches it on the group's worst token: 9/9 groups, 4/4 in the tests.
+#     It assumes engines that are float32 throughout: TF32 matmuls carry fp16-grade mantissas and fail
+#     here, rightly. Sampling slack 1e-2: 1e4x the honest |Δ logit|.
+#   bfloat16: replays flip honestly (17 of ~24k tokens) at margins up to 0.027 (max|logit| 5.6, where
+#     one ulp is 0.031) and 0.0036 (max|logit| ~3), and log-probs differ by up to 0.045, so a fixed
+#     0.05 is not safe on sharp models and far too loose on flat ones. The slack is 0.01 +
+#     max|logit| / 32 (4 worst-case ulps: 0.185 at 5.6, 7x the worst flip; 0.048 at 1.2, 15x), and
+#     the log-prob allowance that relative part (over T) on top of ``intake.logprob_tolerance``.
+#     What lies inside it is bf16's resolution: a group whose tokens differ from the replay only by
+#     near-ties that small passes, whatever produced it.
+#   float16: the bfloat16 reasoning with 8x finer ulps.
+TOLERANCES_FP32 = Tolerances(margin_abs=1e-2, margin_rel=0.0, logprob=1e-4)
+TOLERANCES_BF16 = Tolerances(margin_abs=1e-2, margin_rel=2.0**-5, logprob=math.inf)
+TOLERANCES_FP16 = Tolerances(margin_abs=2e-3, margin_rel=2.0**-8, logprob=math.inf)
+
+
+def resolve_dtype(name: str | torch.dtype) -> torch.dtype:
+    if isinstance(name, torch.dtype):
+        return name
+    try:
+        return _DTYPES[str(name).lower().removeprefix("torch.")]
+    except KeyError:
+        raise ValueError(f"unknown model dtype {name!r}; use one of {sorted(_DTYPES)}") from None
+
+
+def tolerances_for(dtype: torch.dtype, logprob_cap: float | None = None) -> Tolerances:
+    """The calibrated tolerances for a trusted model of ``dtype``. ``logprob_cap`` (the configured
+    ``intake.logprob_tolerance``) bounds the absolute log-prob allowance: float32 verification
+    tightens it further, half precision adds its relative part on top."""
+    tol = {torch.bfloat16: TOLERANCES_BF16, torch.float16: TOLERANCES_FP16}.get(dtype, TOLERANCES_FP32)
+    if logprob_cap is not None and logprob_cap < tol.logprob:
+        tol = Tolerances(tol.margin_abs, tol.margin_rel, logprob_cap)
+    return tol
+
+
+# --------------------------------------------------------------------------------------------------
+# The functional core: one prefill, then the three checks over plain tensors.
+
+
+@dataclass
+class TrustedGroup:
+    """What the trusted prefill says about each sample: hidden states ``[T, H]`` in the model's dtype
+    (TOPLOC picks its thresholds from it) and logits ``[T, V]`` at the positions that produced the
+    sample's tokens, ``[P - 1, P + T - 1)`` of prompt + completion."""
+
+    hidden: list[torch.Tensor]
+    logits: list[torch.Tensor]
+
+
+@functools.cache
+def _forward_params(model_type: type) -> frozenset[str]:
+    return frozenset(inspect.signature(model_type.forward).parameters)
+
+
+@torch.no_grad()
+def prefill_group(model: torch.nn.Module, prompt_ids: list[int], completions: list[list[int]]) -> TrustedGroup:
+    """One teacher-forced forward of ``prompt + completion`` for every sample of a group.
+
+    Rows are right-padded (so every real token keeps its position ``0..P+T-1`` without position ids)
+    with an attention mask. The hidden state is read where the engine reads it: the input of the LM
+    head, by a forward pre-hook, so it is the final-norm state the logits came from for any
+    architecture. Only the last ``max T + 1`` positions reach the LM head when the model supports
+    ``logits_to_keep``: all samples share the prompt, so those are exactly the positions we need.
+    """
+    device = next(model.parameters()).device
+    p = len(prompt_ids)
+    lengths = [len(c) for c in completions]
+    t_max = max(lengths)
+    width = p + t_max
+    ids = torch.zeros(len(completions), width, dtype=torch.long)
+    mask = torch.zeros(len(completions), width, dtype=torch.long)
+    prompt = torch.as_tensor(prompt_ids, dtype=torch.long)
+    for i, c in enumerate(completions):
+        ids[i, :p] = prompt
+        ids[i, p : p + len(c)] = torch.as_tensor(c, dtype=torch.long)
+        mask[i, : p + len(c)] = 1
+    captured: list[torch.Tensor] = []
+    head = model.get_output_embeddings()
+    if head is None:
+        raise ValueError(f"{type(model).__name__} has no output embeddings (LM head) to read hidden states from")
+    me = threading.get_ident()
+
+    def capture(_module, args):
+        # Only our own call: another thread may be running the same model at the same time.
+        if threading.get_ident() == me:
+            captured.append(args[0])
+
+    hook = head.register_forward_pre_hook(capture)
+    kwargs = {"logits_to_keep": t_max + 1} if "logits_to_keep" in _forward_params(type(model)) else {}
+    try:
+        out = model(input_ids=ids.to(device), attention_mask=mask.to(device), use_cache=False, **kwargs)
+    finally:
+        hook.remove()
+    if len(captured) != 1:
+        raise RuntimeError(f"expected one LM-head call per forward, saw {len(captured)}")
+    hidden, logits = captured[0], out.logits
+    # Both now span the last `keep` positions of the padded rows; position P - 1 sits at `keep - t_max - 1`.
+    start = hidden.shape[1] - t_max - 1
+    if logits.shape[1] != hidden.shape[1] or start < 0:
+        raise RuntimeError(f"LM head saw {tuple(hidden.shape)}, logits are {tuple(logits.shape)}")
+    return TrustedGroup(
+        hidden=[hidden[i, start : start + t].cpu() for i, t in enumerate(lengths)],
+        logits=[logits[i, start : start + t].cpu() for i, t in enumerate(lengths)],
+    )
+
+
+def judge_group(
+    lease: LeaseRecord, sub: Submission, trusted: TrustedGroup, tol: Tolerances
+) -> tuple[Rejection | None, list[np.ndarray] | None]:
+    """TOPLOC → sampling → log-probs for a whole group against its trusted prefill.
+
+    Returns ``(rejection, None)`` at the first stage a sample fails (the detail names the sample, the
+    verdict's reason and its figures), else ``(None, trusted log-probs per sample)``.
+    """
+    samples = sub.samples
+    lengths = [len(s.token_ids) for s in samples]
+
+    verdicts = verify_many([s.proof for s in samples], trusted.hidden, chunk_size=CHUNK_SIZE, topk=TOPK)
+    for i, v in enumerate(verdicts):
+        if not v.ok:
+            # The trusted model's own states being non-finite is our problem, not the node's.
+            reason = Reason.INTERNAL if v.reason == "non_finite_hidden" else Reason.TOPLOC_FAILED
+            return Rejection(reason, f"sample {i}: {v.reason}: {v.detail}"), None
+
+    # Sampling, all samples in one replay: one row per generated token, each with its sample's seed.
+    logits = torch.cat(trusted.logits)
+    tokens = torch.as_tensor(np.concatenate([s.token_ids for s in samples]), dtype=torch.int64)
+    seeds = torch.cat([torch.full((t,), _seed_bits(seed), dtype=torch.int64) for t, seed in zip(lengths, lease.seeds, strict=True)])
+    positions = torch.cat([torch.arange(t, dtype=torch.int64) for t in lengths])
+    ends = np.cumsum(lengths)
+    # verify_samples compares the margins with its tolerance elementwise, so a per-row slack works.
+    slack = tol.margin_for(logits)
+    v = verify_samples(logits, tokens, lease.temperature, seeds, positions, margin_tolerance=slack)
+    if not v.ok:
+        if v.mismatched_positions:
+            flat = v.mismatched_positions[0]
+            i = int(np.searchsorted(ends, flat, side="right"))
+            start = int(ends[i - 1]) if i else 0
+            bad = sum(1 for f in v.mismatched_positions if start <= f < ends[i])
+            at_slack = float(slack[flat]) if isinstance(slack, torch.Tensor) else slack
+            where = (f"sample {i}: {bad} of {lengths[i]} tokens are not the seeded draw, first at token "
+                     f"{flat - start} (slack there {at_slack:.3g}; largest margin in the group {v.max_margin:.4g})")
+        else:
+            where = v.detail
+        return Rejection(Reason.SAMPLING_FAILED, f"{v.reason}: {where}"), None
+
+    trusted_lp = token_logprobs(logits, tokens, lease.temperature)
+    claimed = torch.as_tensor(np.concatenate([np.asarray(s.logprobs, dtype=np.float32) for s in samples]))
+    allowed = tol.logprob_for(logits, lease.temperature)
+    excess = (claimed - trusted_lp).abs() - allowed
+    worst = int(excess.argmax())
+    if not float(excess[worst]) <= 0:  # also rejects NaN
+        i = int(np.searchsorted(ends, worst, side="right"))
+        at = worst - (int(ends[i - 1]) if i else 0)
+        limit = float(allowed[worst]) if isinstance(allowed, torch.Tensor) else allowed
+        return Rejection(
+            Reason.LOGPROB_MISMATCH,
+            f"sample {i} token {at}: node log-prob {float(claimed[worst]):.5g}, trusted {float(trusted_lp[worst]):.5g} "
+            f"(|diff| {float(claimed[worst] - trusted_lp[worst]):+.3g} beyond the tolerance {limit:.3g})",
+        ), None
+    split = np.split(trusted_lp.numpy().astype(np.float32), ends[:-1])
+    return None, [np.ascontiguousarray(a) for a in split]
+
+
+def _seed_bits(seed: int) -> int:
+    """A uint64 seed as the int64 with the same bits (what the sampler hashes)."""
+    seed = int(seed)
+    return seed - (1 << 64) if seed >= (1 << 63) else seed
+
+
+def _check_input(lease: LeaseRecord, prompt_ids: list[int], sub: Submission, vocab_size: int) -> Rejection | None:
+    """What the prefill needs to be meaningful; the intake's shape stage checks the same, but the
+    verifier must stand on its own (never raise, whatever it is given)."""
+    if len(sub.samples) != lease.group_size or len(lease.seeds) != lease.group_size:
+        return Rejection(Reason.WRONG_GROUP_SIZE, f"{len(sub.samples)} samples, {len(lease.seeds)} seeds, "
+                                                  f"group size {lease.group_size}")
+    if not prompt_ids or any(not 0 <= int(t) < vocab_size for t in prompt_ids):
+        return Rejection(Reason.INTERNAL, "the lease's prompt is empty or outside the trusted model's vocabulary")
+    if not lease.temperature > 0:
+        return Rejection(Reason.INTERNAL, f"lease temperature {lease.temperature} is not positive")
+    for i, s in enumerate(sub.samples):
+        t = len(s.token_ids)
+        if t == 0 or t > lease.max_new_tokens:
+            return Rejection(Reason.TOO_LONG, f"sample {i} has {t} tokens, allowed 1..{lease.max_new_tokens}")
+        tokens = np.asarray(s.token_ids)
+        if tokens.dtype.kind not in "iu" or bool(((tokens < 0) | (tokens >= vocab_size)).any()):
+            return Rejection(Reason.TOKEN_OUT_OF_VOCAB, f"sample {i} has a token outside [0, {vocab_size})")
+        if len(s.logprobs) != t:
+            return Rejection(Reason.BAD_LOGPROBS, f"sample {i} has {len(s.logprobs)} log-probs for {t} tokens")
+        if not isinstance(s.proof, (bytes, bytearray)):
+            return Rejection(Reason.TOPLOC_FAILED, f"sample {i}: the proof is not bytes")
+    return None
+
+
+# --------------------------------------------------------------------------------------------------
+# The shell: trusted weights per version, thread settings, timing, never raise.
+
+
+class TrustedVerifier:
+    """The verification stages on the coordinator's own weights (``GroupVerifier`` in ``service.py``).
+
+    Keeps one model per policy version inside the staleness window, loaded lazily from
+    ``policy_store.version_dir(v)`` in ``cfg.model_dtype``, and drops versions older than the newest
+    leased one minus ``cfg.intake.s_max``. Safe to call from a worker thread while the trainer publishes:
+    versions are installed by atomic rename, and the cache is guarded by a lock. Every outcome is a
+    :class:`VerificationResult`; an exception never leaves :meth:`verify_group`.
+    """
+
+    def __init__(self, policy_store, cfg, *, device: str | torch.device = "cpu"):
+        self.policy_store = policy_store
+        self.cfg = cfg
+        self.device = torch.device(device)
+        self.dtype = resolve_dtype(cfg.model_dtype)
+        self.tolerances = tolerances_for(self.dtype, cfg.intake.logprob_tolerance)
+        self._models: OrderedDict[int, torch.nn.Module] = OrderedDict()
+        self._lock = threading.Lock()  # guards _models and _newest
+        self._load_lock = threading.Lock()  # one load at a time: no version is read from disk twice
+        self._newest = -1
+        self._thread_setup = threading.local()
+
+    # -- weights -------------------------------------------------------------------------------------
+
+    def loaded_versions(self) -> list[int]:
+        with self._lock:
+            return list(self._models)
+
+    def _note_newest(self, version: int) -> None:
+        """Raise the newest version seen in a lease and drop what fell out of the window below it.
+
+        Only leases move the window: every lease passed the service's staleness stage, so the verifier
+        never refuses a version the service still accepts (the store may already hold a version the
+        service has not announced yet).
+        """
+        with self._lock:
+            self._newest = max(self._newest, version)
+            floor = self._newest - self.cfg.intake.s_max
+            for v in [v for v in self._models if v < floor]:
+                del self._models[v]
+                log.info("verifier dropped the weights of version %d (newest %d, s_max %d)", v, self._newest,
+                         self.cfg.intake.s_max)
+
+    def model_for(self, version: int) -> torch.nn.Module | None:
+        """The trusted model of ``version``, loaded on first use; ``None`` if it fell out of the window
+        or is not on disk (anymore)."""
+        self._note_newest(version)
+        with self._lock:
+            model = self._models.get(version)
+            if model is not None or version < self._newest - self.cfg.intake.s_max:
+                return model
+        with self._load_lock:
+            with self._lock:
+                model = self._models.get(version)
+            if model is not None:
+                return model
+            path = Path(self.policy_store.version_dir(version))
+            if not (path / "config.json").exists():
+                return None
+            model = self._load(path)
+            with self._lock:
+                if version >= self._newest - self.cfg.intake.s_max:
+                    self._models[version] = model
+            return model
+
+    def _load(self, path: Path) -> torch.nn.Module:
+        import transformers
+
+        key = "dtype" if int(transformers.__version__.split(".")[0]) >= 5 else "torch_dtype"
+        model = transformers.AutoModelForCausalLM.from_pretrained(path, **{key: self.dtype})
+        return model.to(self.device).eval().requires_grad_(False)
+
+    # -- the stage -----------------------------------------------------------------------------------
+
+    def verify_group(self, lease: LeaseRecord, prompt_ids: list[int], sub: Submission) -> VerificationResult:
+        """Prefill the group on the trusted weights of ``lease.policy_version`` and run the checks."""
+        started = time.perf_counter()
+        if not getattr(self._thread_setup, "done", False):
+            # OpenMP thread counts are per calling thread: set ours once, in the thread we run in.
+            torch.set_num_threads(self.cfg.verifier_threads)
+            self._thread_setup.done = True
+        try:
+            rejection, trusted = self._verify(lease, prompt_ids, sub)
+        except Exception as exc:  # a verdict, never a crash: the group is refused, the node not struck
+            log.exception("verification of lease %s failed", getattr(lease, "lease_id", "?"))
+            rejection, trusted = Rejection(Reason.INTERNAL, f"verifier error: {type(exc).__name__}: {exc}"), None
+        return VerificationResult(rejection, trusted, time.perf_counter() - started)
+
+    def _verify(self, lease: LeaseRecord, prompt_ids: list[int], sub: Submission):
+        if sub.policy_version != lease.policy_version:
+            return Rejection(Reason.VERSION_MISMATCH, f"generated with version {sub.policy_version}, the lease names "
+                                                      f"{lease.policy_version}"), None
+        model = self.model_for(lease.policy_version)
+        if model is None:
+            return Rejection(Reason.STALE_VERSION, f"the trusted weights of version {lease.policy_version} are no "
+                                                   f"longer kept (newest {self._newest}, s_max {self.cfg.intake.s_max})"), None
+        vocab = int(model.get_output_embeddings().weight.shape[0])
+        bad = _check_input(lease, prompt_ids, sub, vocab)
+        if bad is not None:
+            return bad, None
+        trusted = prefill_group(model, [int(t) for t in prompt_ids], [[int(t) for t in s.token_ids] for s in sub.samples])
+        return judge_group(lease, sub, trusted, self.tolerances)

@@ -1,0 +1,245 @@
+"""The coordinator's verification stages on honest traffic: real engine groups pass, in float32 and
+bfloat16, whatever the batch and padding on either side; the trusted log-probs come back; the weight
+cache follows the staleness window; bad input is a rejection, never an exception. One test runs the
+whole path over gRPC."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import threading
+
+import numpy as np
+import pytest
+import torch
+from support import build_tiny_checkpoint, make_coordinator_dir, node_client, running_coordinator
+
+from veriroll.coordinator import store as st
+from veriroll.coordinator.config import CoordinatorConfig
+from veriroll.coordinator.intake import LeaseRecord, Submission, SubmittedSample
+from veriroll.coordinator.policy import PolicyStore
+from veriroll.coordinator.verifier import TOLERANCES_FP32, TrustedVerifier, prefill_group
+from veriroll.node.engines.base import GenerationRequest
+from veriroll.node.engines.torch import TorchEngine
+from veriroll.protos.reasons import Reason
+from veriroll.protos.service import CallError
+from veriroll.protos.v1 import coordinator_pb2 as pb
+
+EOS = 2  # the char tokenizer's <eos>
+VOCAB = 16  # 4 specials + "0123456789+="
+
+
+def lease_for(req: GenerationRequest, version: int = 0, lease_id: str = "L") -> LeaseRecord:
+    return LeaseRecord(lease_id=lease_id, node_id="n", prompt_id=1, group_size=req.n, temperature=req.temperature,
+                       max_new_tokens=req.max_new_tokens, seeds=tuple(req.seeds), stop_token_ids=tuple(req.stop_token_ids),
+                       policy_version=version, issued_ms=0, deadline_ms=1 << 60, state="open")
+
+
+def submission(results, version: int = 0, lease_id: str = "L") -> Submission:
+    return Submission(lease_id, version, [
+        SubmittedSample(np.asarray(r.token_ids, dtype=np.int64), np.asarray(r.logprobs, dtype=np.float32), r.proof,
+                        r.finish_reason) for r in results])
+
+
+def config(**kw) -> CoordinatorConfig:
+    cfg = CoordinatorConfig()
+    cfg.intake.s_max = kw.pop("s_max", 1)
+    for k, v in kw.items():
+        setattr(cfg, k, v)
+    return cfg
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory) -> PolicyStore:
+    """Versions 0..3 of a tiny random-init Llama (other seeds stand in for later versions)."""
+    root = tmp_path_factory.mktemp("policy")
+    ps = PolicyStore(root)
+    for v in range(4):
+        build_tiny_checkpoint(ps.version_dir(v), seed=v)
+    return ps
+
+
+def request(prompt_len: int, seed0: int, *, n: int = 4, max_new: int = 40, stop=(EOS,), temperature: float = 1.0):
+    prompt = [1] + [4 + (seed0 * 7 + i * 5) % 12 for i in range(prompt_len - 1)]
+    return GenerationRequest(prompt, seeds=[seed0 * 1000 + 2**63 * (i % 2) + i for i in range(n)],
+                             temperature=temperature, max_new_tokens=max_new, stop_token_ids=list(stop))
+
+
+def honest_groups(engine: TorchEngine):
+    """Groups of different prompt lengths generated in one engine batch (left padding on the node),
+    each verified on its own (right padding at the verifier for samples that stopped early)."""
+    reqs = [request(3, 1), request(9, 2, temperature=0.7), request(5, 3, n=6, temperature=1.3),
+            request(12, 4, max_new=33, stop=())]
+    return list(zip(reqs, engine.generate(reqs), strict=True))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_honest_engine_groups_pass_with_other_batches_and_padding(store, dtype):
+    verifier = TrustedVerifier(store, config(model_dtype=dtype))
+    engine = TorchEngine(store.version_dir(0), 0, dtype=dtype)
+    groups = honest_groups(engine)
+    # the same work, batched another way on the node: alone, with another max_batch_tokens
+    small = TorchEngine(store.version_dir(0), 0, dtype=dtype, max_batch_tokens=80)
+    groups += [(req, small.generate([req])[0]) for req, _ in groups[:2]]
+    lengths = set()
+    for req, results in groups:
+        lengths |= {len(r.token_ids) for r in results}
+        out = verifier.verify_group(lease_for(req), req.prompt_ids, submission(results))
+        assert out.rejection is None, out.rejection
+        assert out.seconds > 0 and len(out.trusted_logprobs) == req.n
+        for r, lp in zip(results, out.trusted_logprobs, strict=True):
+            assert lp.dtype == np.float32 and lp.shape == (len(r.token_ids),)
+            gap = np.abs(lp - np.asarray(r.logprobs)).max()
+            assert gap < (1e-5 if dtype == "float32" else 0.05)
+    assert len(lengths) > 2  # samples of several lengths: the verifier's padding was exercised
+
+
+def test_trusted_prefill_matches_the_engines_hidden_states(store):
+    engine = TorchEngine(store.version_dir(0), 0)
+    req = request(6, 9, max_new=20)
+    results = engine.generate([req], keep_hidden=True)[0]
+    trusted = prefill_group(engine.model, req.prompt_ids, [r.token_ids for r in results])
+    for r, hidden, logits in zip(results, trusted.hidden, trusted.logits, strict=True):
+        assert hidden.shape == r.hidden.shape and logits.shape == (len(r.token_ids), VOCAB)
+        assert float((hidden - r.hidden).abs().max()) < 1e-4
+
+
+def test_weights_are_loaded_lazily_and_dropped_outside_the_window(store):
+    verifier = TrustedVerifier(store, config(s_max=1))
+    assert verifier.loaded_versions() == []
+    engines = {v: TorchEngine(store.version_dir(v), v) for v in (0, 1, 2, 3)}
+    req = request(4, 5, max_new=12)
+
+    def check(version: int):
+        results = engines[version].generate([req])[0]
+        return verifier.verify_group(lease_for(req, version), req.prompt_ids, submission(results, version))
+
+    assert check(0).rejection is None and verifier.loaded_versions() == [0]
+    assert check(1).rejection is None and verifier.loaded_versions() == [0, 1]
+    # a lease of version 2 moves the window (s_max 1) to 1..2: version 0's weights go
+    assert check(2).rejection is None and verifier.loaded_versions() == [1, 2]
+    old = check(0).rejection
+    assert old is not None and old.reason is Reason.STALE_VERSION and not old.reason.strike
+    assert check(3).rejection is None and verifier.loaded_versions() == [2, 3]
+    # a version whose directory is gone (pruned) is stale, not the node's fault
+    gone = verifier.verify_group(lease_for(req, 9), req.prompt_ids, submission(engines[3].generate([req])[0], 9))
+    assert gone.rejection.reason is Reason.STALE_VERSION and not gone.rejection.reason.strike
+
+
+def test_concurrent_verification_from_two_threads(store):
+    verifier = TrustedVerifier(store, config(s_max=3))
+    engine = TorchEngine(store.version_dir(3), 3)
+    work = [(req, engine.generate([req])[0]) for req in (request(5, 11, max_new=24), request(8, 12, max_new=24))]
+    outcomes: list = []
+
+    def run(req, results):
+        for _ in range(2):
+            outcomes.append(verifier.verify_group(lease_for(req, 3), req.prompt_ids, submission(results, 3)))
+
+    threads = [threading.Thread(target=run, args=w) for w in work]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(outcomes) == 4 and all(o.rejection is None for o in outcomes)
+    assert verifier.loaded_versions() == [3]
+
+
+def test_bad_input_is_a_rejection_never_an_exception(store):
+    verifier = TrustedVerifier(store, config(s_max=3))
+    engine = TorchEngine(store.version_dir(3), 3)
+    req = request(5, 13, max_new=10, stop=())
+    results = engine.generate([req])[0]
+    lease = lease_for(req, 3)
+
+    def verdict(sub, *, lease=lease, prompt=req.prompt_ids):
+        out = verifier.verify_group(lease, prompt, sub)
+        assert out.rejection is not None and out.trusted_logprobs is None
+        return out.rejection.reason
+
+    def tampered(**change):
+        sub = submission(results, 3)
+        for k, v in change.items():
+            setattr(sub.samples[0], k, v)
+        return sub
+
+    assert verdict(Submission("L", 3, submission(results, 3).samples[:3])) is Reason.WRONG_GROUP_SIZE
+    assert verdict(submission(results, 2)) is Reason.VERSION_MISMATCH
+    assert verdict(tampered(token_ids=np.array([], dtype=np.int64), logprobs=np.array([], np.float32))) is Reason.TOO_LONG
+    assert verdict(tampered(token_ids=np.full(10, VOCAB))) is Reason.TOKEN_OUT_OF_VOCAB
+    assert verdict(tampered(token_ids=np.full(10, -1))) is Reason.TOKEN_OUT_OF_VOCAB
+    assert verdict(tampered(logprobs=np.zeros(3, np.float32))) is Reason.BAD_LOGPROBS
+    assert verdict(tampered(logprobs=np.full(10, np.nan, np.float32))) is Reason.LOGPROB_MISMATCH
+    for junk in (b"", b"TL", b"\x00" * 300, results[0].proof[:-2], results[0].proof + b"xx", None):
+        assert verdict(tampered(proof=junk)) is Reason.TOPLOC_FAILED
+    assert verdict(submission(results, 3), prompt=[]) is Reason.INTERNAL
+    assert verdict(submission(results, 3), prompt=[VOCAB + 5]) is Reason.INTERNAL
+    assert verdict(submission(results, 3), lease=dataclasses.replace(lease, seeds=(1,))) is Reason.WRONG_GROUP_SIZE
+    assert verdict(submission(results, 3), lease=None) is Reason.INTERNAL
+    # and an honest submission still passes afterwards
+    assert verifier.verify_group(lease, req.prompt_ids, submission(results, 3)).rejection is None
+
+
+def test_float32_is_tighter_than_the_configured_logprob_tolerance_and_half_precision_looser(store):
+    configured = CoordinatorConfig().intake.logprob_tolerance
+    verifier = TrustedVerifier(store, config(s_max=3))
+    assert verifier.tolerances.logprob == TOLERANCES_FP32.logprob < configured
+    bf16 = TrustedVerifier(store, config(s_max=3, model_dtype="bfloat16")).tolerances
+    logits = torch.tensor([[4.0, -1.0, 0.5], [0.5, 0.25, -0.5]])
+    # the configured allowance plus bf16's resolution at the row's largest logit (4 ulps), over T
+    assert torch.allclose(torch.as_tensor(bf16.logprob_for(logits, 0.5)), configured + torch.tensor([4.0, 0.5]) / 32 / 0.5)
+    assert torch.allclose(torch.as_tensor(bf16.margin_for(logits)), bf16.margin_abs + torch.tensor([4.0, 0.5]) / 32)
+
+
+def test_over_grpc_honest_group_is_stored_with_trusted_logprobs_and_a_forged_one_refused(tmp_path):
+    base = make_coordinator_dir(tmp_path, {"intake.verify": True})
+
+    async def scenario():
+        async with running_coordinator(base) as coord, node_client(coord) as stub:
+            engine = TorchEngine(coord.policy_store.version_dir(0), 0)
+
+            async def generate(lease: pb.Lease):
+                req = GenerationRequest(list(lease.prompt_ids), list(lease.seeds), lease.temperature,
+                                        lease.max_new_tokens, list(lease.stop_token_ids))
+                results = (await asyncio.to_thread(engine.generate, [req]))[0]
+                return results, pb.SubmitGroupRequest(lease_id=lease.lease_id, policy_version=lease.policy_version, samples=[
+                    pb.Sample(token_ids=r.token_ids, logprobs=np.asarray(r.logprobs, "<f4").tobytes(), proof=r.proof,
+                              finish_reason=r.finish_reason) for r in results])
+
+            first, second = (await stub.lease_work(pb.LeaseRequest(max_leases=2))).leases
+            results, honest = await generate(first)
+            ok = await stub.submit_group(honest)
+            assert ok.accepted and ok.credited_tokens == sum(len(r.token_ids) for r in results)
+
+            _, attacked = await generate(second)
+            attacked.samples[0].proof, attacked.samples[1].proof = attacked.samples[1].proof, attacked.samples[0].proof
+            with pytest.raises(CallError) as info:
+                await stub.submit_group(attacked)
+            assert info.value.reason == "toploc_failed" and "sample 0" in str(info.value)
+
+            def read(conn):
+                rows = conn.execute("SELECT s.logprobs, s.trusted_logprobs FROM samples s JOIN groups g USING(group_id) "
+                                    "WHERE g.lease_id = ? ORDER BY s.idx", (first.lease_id,)).fetchall()
+                node = conn.execute("SELECT strikes, standing FROM nodes").fetchone()
+                return rows, dict(node), st.rejections_by_reason(conn), st.status_summary(conn)
+
+            return await coord.db.run_read(read)
+
+    rows, node, rejections, summary = asyncio.run(scenario())
+    assert len(rows) == 4 and all(r["trusted_logprobs"] is not None for r in rows)
+    for r in rows:
+        node_lp, trusted = np.frombuffer(r["logprobs"], "<f4"), np.frombuffer(r["trusted_logprobs"], "<f4")
+        assert trusted.shape == node_lp.shape and np.abs(trusted - node_lp).max() < 1e-5
+    assert rejections == {"toploc_failed": 1}
+    assert node == {"strikes": 1, "standing": "probation"}
+    assert summary["accepted_groups"] == 1
+
+
+def test_hidden_states_are_read_at_the_lm_head_input(store):
+    """The verifier's capture equals the base model's final-norm output (what the engine commits)."""
+    engine = TorchEngine(store.version_dir(0), 0)
+    prompt, completion = [1, 5, 6, 7], [8, 9, 10, 2]
+    trusted = prefill_group(engine.model, prompt, [completion])
+    with torch.no_grad():
+        base = engine.model.get_decoder()(input_ids=torch.tensor([prompt + completion])).last_hidden_state[0]
+    assert torch.allclose(trusted.hidden[0], base[len(prompt) - 1 : -1], atol=1e-6)
