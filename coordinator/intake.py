@@ -76,17 +76,19 @@ class Submission:
         samples = []
         for s in req.samples:
             raw = s.logprobs
-            # A length that is not a multiple of 4 cannot be float32s: keep what parses, let
-            # check_shape reject the count mismatch with a precise reason.
-            lp = np.frombuffer(raw[: len(raw) - len(raw) % 4], dtype="<f4")
-            if len(raw) % 4:
-                lp = np.concatenate([lp, np.array([np.nan], dtype="<f4")])
+            tail = len(raw) % 4
+            if tail:
+                # A length that is not a multiple of 4 cannot be float32s: keep what parses, let
+                # check_shape reject the count mismatch with a precise reason.
+                lp = np.concatenate([np.frombuffer(raw[:-tail], dtype="<f4"), np.array([np.nan], dtype="<f4")])
+            else:
+                lp = np.frombuffer(raw, dtype="<f4")
             samples.append(SubmittedSample(np.asarray(s.token_ids, dtype=np.int64), lp, bytes(s.proof), s.finish_reason))
         return cls(req.lease_id, int(req.policy_version), samples)
 
     @property
     def num_tokens(self) -> int:
-        return int(sum(len(s.token_ids) for s in self.samples))
+        return sum(len(s.token_ids) for s in self.samples)
 
 
 def content_hash(sub: Submission) -> str:
@@ -127,40 +129,42 @@ def check_shape(sub: Submission, lease: LeaseRecord, *, vocab_size: int, max_pro
     if sub.policy_version != lease.policy_version:
         return Rejection(Reason.VERSION_MISMATCH,
                          f"generated with version {sub.policy_version}, the lease names {lease.policy_version}")
-    # Vectorized over the whole group: one pass over all tokens instead of a dozen numpy calls per sample.
+    # Vectorized over the whole group: a few numpy calls on all tokens at once, then plain-int loops
+    # over the samples (this runs for every submitted group, so it is kept lean).
     samples = sub.samples
-    lengths = np.fromiter((len(s.token_ids) for s in samples), dtype=np.int64, count=len(samples))
-    bad = np.flatnonzero((lengths == 0) | (lengths > lease.max_new_tokens))
-    if bad.size:
-        i = int(bad[0])
-        return Rejection(Reason.TOO_LONG, f"sample {i} has {lengths[i]} tokens, allowed 1..{lease.max_new_tokens}")
+    lengths = [len(s.token_ids) for s in samples]
+    for i, n in enumerate(lengths):
+        if n == 0 or n > lease.max_new_tokens:
+            return Rejection(Reason.TOO_LONG, f"sample {i} has {n} tokens, allowed 1..{lease.max_new_tokens}")
+    starts = np.cumsum([0, *lengths[:-1]])
     tokens = np.concatenate([s.token_ids for s in samples])
-    oov = np.flatnonzero((tokens < 0) | (tokens >= vocab_size))
-    if oov.size:
-        i = int(np.searchsorted(np.cumsum(lengths), oov[0], side="right"))
+    if tokens.min() < 0 or tokens.max() >= vocab_size:
+        first = int(np.flatnonzero((tokens < 0) | (tokens >= vocab_size))[0])
+        i = int(np.searchsorted(starts, first, side="right")) - 1
         return Rejection(Reason.TOKEN_OUT_OF_VOCAB, f"sample {i} has a token outside [0, {vocab_size})")
-    lp_lengths = np.fromiter((len(s.logprobs) for s in samples), dtype=np.int64, count=len(samples))
-    bad = np.flatnonzero(lp_lengths != lengths)
-    if bad.size:
-        i = int(bad[0])
-        return Rejection(Reason.BAD_LOGPROBS, f"sample {i} has {lp_lengths[i]} log-probs for {lengths[i]} tokens")
-    logprobs = np.concatenate([s.logprobs for s in samples])
-    bad_lp = np.flatnonzero(~np.isfinite(logprobs) | (logprobs > 0.0))
-    if bad_lp.size:
-        i = int(np.searchsorted(np.cumsum(lengths), bad_lp[0], side="right"))
-        return Rejection(Reason.BAD_LOGPROBS, f"sample {i} has a log-prob that is NaN, infinite or > 0")
-    proof_cap_per_token = max_proof_bytes_per_token
     for i, s in enumerate(samples):
-        if len(s.proof) > max_proof_bytes(int(lengths[i]), proof_cap_per_token) or (require_proof and not s.proof):
+        if len(s.logprobs) != lengths[i]:
+            return Rejection(Reason.BAD_LOGPROBS, f"sample {i} has {len(s.logprobs)} log-probs for {lengths[i]} tokens")
+    logprobs = np.concatenate([s.logprobs for s in samples])
+    # Finite and <= 0 in one pass: NaN fails both comparisons, +inf the first, -inf the second.
+    good = (logprobs <= 0.0) & (logprobs > -np.inf)
+    if not good.all():
+        first = int(np.flatnonzero(~good)[0])
+        i = int(np.searchsorted(starts, first, side="right")) - 1
+        return Rejection(Reason.BAD_LOGPROBS, f"sample {i} has a log-prob that is NaN, infinite or > 0")
+    for i, s in enumerate(samples):
+        if len(s.proof) > max_proof_bytes(lengths[i], max_proof_bytes_per_token) or (require_proof and not s.proof):
             return Rejection(Reason.PROOF_TOO_LARGE if s.proof else Reason.TOPLOC_FAILED,
                              f"sample {i} proof is {len(s.proof)} bytes for {lengths[i]} tokens")
-    ends = np.cumsum(lengths) - 1
-    is_stop = np.isin(tokens, np.asarray(lease.stop_token_ids, dtype=np.int64))
-    end_is_stop = is_stop[ends]
-    inner_stops = np.add.reduceat(is_stop.astype(np.int64), ends - lengths + 1) - end_is_stop
+    is_stop = np.zeros(len(tokens), dtype=bool)
+    for stop in lease.stop_token_ids:  # a handful of ids: cheaper than np.isin
+        is_stop |= tokens == stop
+    stops_per_sample = np.add.reduceat(is_stop, starts, dtype=np.int64).tolist()
+    end_is_stop = is_stop[starts + np.asarray(lengths) - 1].tolist()
     for i, s in enumerate(samples):
-        ends_on_stop = bool(end_is_stop[i])
-        if inner_stops[i] or s.finish_reason not in ("stop", "length") or (s.finish_reason == "stop") != ends_on_stop \
+        ends_on_stop = end_is_stop[i]
+        if stops_per_sample[i] - ends_on_stop or s.finish_reason not in ("stop", "length") \
+                or (s.finish_reason == "stop") != ends_on_stop \
                 or (s.finish_reason == "length" and lengths[i] != lease.max_new_tokens):
             return Rejection(Reason.BAD_FINISH, f"sample {i}: finish_reason {s.finish_reason!r} does not match its tokens")
     return None

@@ -16,6 +16,7 @@ import grpc
 from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from veriroll.coordinator.admission import peer_address
 from veriroll.coordinator.service import CoordinatorService, Refusal
 from veriroll.protos.envelope import REASON_TRAILER, EnvelopeError, parse_headers
 from veriroll.protos.reasons import Reason
@@ -69,8 +70,6 @@ class _Edge(grpc.GenericRpcHandler):
                     headers = parse_headers(context.invocation_metadata())
                 except EnvelopeError as exc:
                     raise Refusal(Reason(exc.reason), str(exc)) from exc
-                from veriroll.coordinator.admission import peer_address
-
                 node = await svc.admit(method, name, body, headers, peer_address(context.peer()))
                 node_id = node.node_id if node else ""
                 try:

@@ -114,6 +114,37 @@ CREATE TABLE IF NOT EXISTS kv (
     key TEXT PRIMARY KEY,
     value TEXT NOT NULL
 );
+-- The number of queued groups (accepted, neither consumed nor dropped), kept by triggers in the same
+-- transaction as the change, so every lease request reads the queue depth in O(1) instead of
+-- counting a table that grows with the run.
+CREATE TABLE IF NOT EXISTS counters (
+    name TEXT PRIMARY KEY,
+    value INTEGER NOT NULL
+);
+CREATE TRIGGER IF NOT EXISTS groups_queued_insert AFTER INSERT ON groups
+WHEN NEW.consumed_step IS NULL AND NEW.dropped IS NULL
+BEGIN
+    UPDATE counters SET value = value + 1 WHERE name = 'queued_groups';
+END;
+CREATE TRIGGER IF NOT EXISTS groups_queued_update AFTER UPDATE OF consumed_step, dropped ON groups
+BEGIN
+    UPDATE counters SET value = value + (NEW.consumed_step IS NULL AND NEW.dropped IS NULL)
+                                      - (OLD.consumed_step IS NULL AND OLD.dropped IS NULL)
+    WHERE name = 'queued_groups';
+END;
+CREATE TRIGGER IF NOT EXISTS groups_queued_delete AFTER DELETE ON groups
+WHEN OLD.consumed_step IS NULL AND OLD.dropped IS NULL
+BEGIN
+    UPDATE counters SET value = value - 1 WHERE name = 'queued_groups';
+END;
+"""
+
+# Run after SCHEMA: a database from before the counter (or a fresh one) starts it from a full count,
+# in one statement, so a group inserted concurrently is counted exactly once.
+_INIT_COUNTERS = """
+INSERT INTO counters(name, value)
+SELECT 'queued_groups', (SELECT COUNT(*) FROM groups WHERE consumed_step IS NULL AND dropped IS NULL)
+WHERE NOT EXISTS (SELECT 1 FROM counters WHERE name = 'queued_groups')
 """
 
 STANDINGS = ("probation", "trusted", "banned")
@@ -144,13 +175,54 @@ def connect(path: str | Path) -> sqlite3.Connection:
     conn.execute("PRAGMA synchronous=FULL")
     conn.execute("PRAGMA busy_timeout=30000")
     conn.executescript(SCHEMA)
+    if conn.execute("SELECT 1 FROM counters WHERE name = 'queued_groups'").fetchone() is None:
+        conn.execute(_INIT_COUNTERS)
     return conn
 
 
 @dataclass
 class _Op:
     fn: Callable[[sqlite3.Connection], Any]
-    future: concurrent.futures.Future
+    future: concurrent.futures.Future | asyncio.Future
+    # Set for callers on an event loop: their asyncio future is settled on that loop, all of a batch's
+    # futures in one wake-up (cheaper than a concurrent future chained to an asyncio one per op).
+    loop: asyncio.AbstractEventLoop | None = None
+
+    def start(self) -> bool:
+        """False when the caller already gave up (cancelled): the op is then skipped."""
+        if self.loop is None:
+            return self.future.set_running_or_notify_cancel()
+        return not self.future.cancelled()
+
+
+def _settle(items: list[tuple[asyncio.Future, bool, Any]]) -> None:
+    for fut, ok, value in items:
+        if fut.done():  # cancelled meanwhile: its caller is gone
+            continue
+        if ok:
+            fut.set_result(value)
+        else:
+            fut.set_exception(value)
+
+
+def _answer(results: list[tuple[_Op, bool, Any]]) -> None:
+    """Hand each op its result: concurrent futures directly, asyncio futures on their loop."""
+    by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+    for op, ok, value in results:
+        if op.loop is None:
+            if op.future.done():
+                continue
+            if ok:
+                op.future.set_result(value)
+            else:
+                op.future.set_exception(value)
+        else:
+            by_loop.setdefault(op.loop, []).append((op.future, ok, value))
+    for loop, items in by_loop.items():
+        try:
+            loop.call_soon_threadsafe(_settle, items)
+        except RuntimeError:  # the loop is closed: nobody is waiting any more
+            pass
 
 
 class Database:
@@ -194,7 +266,7 @@ class Database:
         # A caller that gave up (its call was cancelled, e.g. past its deadline) cancels its future while
         # the op waits in the queue: skip those ops. Once marked running, an op can no longer be
         # cancelled, so every op that runs is answered exactly once (a retry is then idempotent).
-        batch = [op for op in batch if op.future.set_running_or_notify_cancel()]
+        batch = [op for op in batch if op.start()]
         if not batch:
             return
         results: list[tuple[_Op, bool, Any]] = []
@@ -217,16 +289,10 @@ class Database:
                 self.conn.execute("ROLLBACK")
             except sqlite3.Error:
                 pass
-            for op in batch:
-                if not op.future.done():
-                    op.future.set_exception(exc)
+            _answer([(op, False, exc) for op in batch])
             return
         # Answer only after COMMIT returned: nothing is reported done before it is durable.
-        for op, ok, value in results:
-            if ok:
-                op.future.set_result(value)
-            else:
-                op.future.set_exception(value)
+        _answer(results)
 
     def read(self, fn: Callable[[sqlite3.Connection], T]) -> concurrent.futures.Future:
         """Run a read-only ``fn`` on the reader connection: no write lock, no fsync, sees committed data."""
@@ -242,7 +308,23 @@ class Database:
         return fn(conn)
 
     async def run_read(self, fn: Callable[[sqlite3.Connection], T]) -> T:
-        return await asyncio.wrap_future(self.read(fn))
+        """``read`` for a coroutine: the result is set on the caller's loop directly."""
+        if self._closed:
+            raise RuntimeError("database is closed")
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        self._reader.submit(self._read_into, _Op(fn, fut, loop))
+        return await fut
+
+    def _read_into(self, op: _Op) -> None:
+        if not op.start():
+            return
+        try:
+            value = self._read_one(op.fn)
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller, not swallowed
+            _answer([(op, False, exc)])
+        else:
+            _answer([(op, True, value)])
 
     def submit(self, fn: Callable[[sqlite3.Connection], T]) -> concurrent.futures.Future:
         if self._closed:
@@ -255,7 +337,13 @@ class Database:
         return self.submit(fn).result()
 
     async def run(self, fn: Callable[[sqlite3.Connection], T]) -> T:
-        return await asyncio.wrap_future(self.submit(fn))
+        """Run ``fn`` in the writer's next transaction; returns once that transaction is committed."""
+        if self._closed:
+            raise RuntimeError("database is closed")
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        self._q.put(_Op(fn, fut, loop))
+        return await fut
 
     def close(self) -> None:
         if self._closed:
@@ -295,6 +383,11 @@ def count_rejection(conn: sqlite3.Connection, node_id: str, reason: str, lease_i
                      (node_id, lease_id, reason, detail[:500], now_ms))
 
 
+def queued_groups(conn: sqlite3.Connection) -> int:
+    """Accepted groups waiting for the trainer (neither consumed nor dropped), in O(1)."""
+    return int(conn.execute("SELECT value FROM counters WHERE name = 'queued_groups'").fetchone()[0])
+
+
 def rejections_by_reason(conn: sqlite3.Connection, node_id: str | None = None) -> dict[str, int]:
     if node_id is None:
         rows = conn.execute("SELECT reason, SUM(count) AS n FROM rejection_counts GROUP BY reason").fetchall()
@@ -318,7 +411,7 @@ def status_summary(conn: sqlite3.Connection) -> dict:
         "nodes": int(one("SELECT COUNT(*) FROM nodes")),
         "open_leases": int(one("SELECT COUNT(*) FROM leases WHERE state = 'open'")),
         "accepted_groups": int(one("SELECT COUNT(*) FROM groups")),
-        "unconsumed_groups": int(one("SELECT COUNT(*) FROM groups WHERE consumed_step IS NULL AND dropped IS NULL")),
+        "unconsumed_groups": queued_groups(conn),
         "rejections_by_reason": rejections_by_reason(conn),
         "banned_nodes": int(one("SELECT COUNT(*) FROM nodes WHERE standing = 'banned'")),
         "trainer_step": int(kv_get(conn, "trainer_step", 0)),

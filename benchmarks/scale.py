@@ -1,0 +1,558 @@
+"""Scale: one real coordinator against hundreds of simulated nodes on loopback, and where it saturates.
+
+The coordinator runs as its own process (``veriroll coordinator run``: TLS, the SQLite store with group
+commit, verification and trainer off, a queue that never fills, generous rate limits). Each simulated
+node is a real client with its own Ed25519 key and its own TLS connection: it registers, heartbeats
+every ``--heartbeat-s`` seconds, and loops LeaseWork → think (lognormal, median ``--think-s``, standing
+in for generation) → SubmitGroup of a correctly shaped group (``--group-size`` x ``--tokens``). The
+nodes live in ``--client-procs`` client processes. Every scale gets a fresh coordinator; nodes start
+staggered (at most ``--ramp-rate`` per second), and only calls that end inside the ``--measure-s``
+window after the ramp are counted.
+
+Per scale: leases and accepted submissions per second held (and the rate the nodes would offer if the
+coordinator answered instantly), p50/p99 client latency per method and the server's own mean time per
+method (from its ``/metrics``), errors by method and reason, and the coordinator's CPU (all threads,
+and the main thread that runs the event loop), RSS and CPU per accepted group. Two fixed costs are
+measured on the side: one Ed25519 verification and one SQLite commit in the coordinator's directory.
+From these the script names the resource that runs out first and what to split.
+
+    .venv/bin/python benchmarks/scale.py [--quick] [--scales 100,300,1000] [--measure-s 30] [--think-s 3]
+
+``--quick`` is 50, 100 and 200 nodes with a short window (under two minutes). Prints one human line per
+scale and the verdict, then one JSON line: ``scales`` (a list of per-scale figures), ``verdict``,
+``saturation`` (the resource and the node count where it ran out), ``fixed_costs``, ``config``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import random
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from collections import Counter, defaultdict
+from pathlib import Path
+
+HERE = Path(__file__).resolve()
+METHODS = ("Register", "Heartbeat", "LeaseWork", "SubmitGroup")
+
+
+# --- the simulated nodes (client processes) -------------------------------------------------------
+
+
+class Recorder:
+    """Outcomes of calls that end inside the measurement window (wall clock, shared across processes)."""
+
+    def __init__(self, start: float, end: float):
+        self.start, self.end = start, end
+        self.latencies: dict[str, list[float]] = defaultdict(list)
+        self.ok: Counter = Counter()
+        self.errors: dict[str, Counter] = defaultdict(Counter)
+        self.examples: dict[str, str] = {}  # reason -> the first message seen, to tell causes apart
+        self.no_lease: Counter = Counter()
+        self.leases = 0
+
+    def inside(self, t: float) -> bool:
+        return self.start <= t < self.end
+
+    def record(self, method: str, t0: float, error: str | None, detail: str = "") -> None:
+        t1 = time.time()
+        if not self.inside(t1):
+            return
+        if error is None:
+            self.ok[method] += 1
+            self.latencies[method].append(t1 - t0)
+        else:
+            self.errors[method][error] += 1
+            self.examples.setdefault(error, detail[:200])
+
+
+async def call(rec: Recorder, method: str, awaitable):
+    """Await one RPC and record it; returns the response or None (the reason is recorded)."""
+    from veriroll.protos.service import CallError
+
+    t0 = time.time()
+    try:
+        resp = await awaitable
+    except CallError as err:
+        rec.record(method, t0, err.reason, err.details)
+        return None
+    except (TimeoutError, OSError) as err:
+        rec.record(method, t0, type(err).__name__, str(err))
+        return None
+    rec.record(method, t0, None)
+    return resp
+
+
+def group_tail(pb, group_size: int, tokens: int) -> bytes:
+    """The samples of a correctly shaped group, serialized once: every submission reuses them.
+
+    A SubmitGroupRequest is then the lease's own fields serialized and this appended (protobuf
+    concatenation merges repeated fields), so a node spends no CPU building groups.
+    """
+    import numpy as np
+
+    rng = random.Random(0)
+    samples = [pb.Sample(token_ids=[rng.randrange(4, 14) for _ in range(tokens)],
+                         logprobs=np.full(tokens, -0.5, dtype="<f4").tobytes(),
+                         proof=bytes(258 * ((tokens + 31) // 32) + 16), finish_reason="length")
+               for _ in range(group_size)]
+    return pb.SubmitGroupRequest(samples=samples).SerializeToString()
+
+
+async def run_nodes(spec: dict) -> dict:
+    """Run ``spec['nodes']`` simulated nodes until ``spec['stop_at']``; returns what was recorded."""
+    import resource
+
+    from veriroll.protos.identity import PrivateKey
+    from veriroll.protos.service import SignedStub, secure_channel
+    from veriroll.protos.v1 import coordinator_pb2 as pb
+
+    rec = Recorder(spec["measure_from"], spec["measure_to"])
+    ca = Path(spec["ca"]).read_bytes()
+    stop_at = spec["stop_at"]
+    rng = random.Random(spec["seed"])
+    mu, sigma = math.log(spec["think_s"]), spec["think_sigma"]
+    tails: dict[tuple[int, int], bytes] = {}
+    n = spec["nodes"]
+
+    async def sleep_until(t: float) -> None:
+        await asyncio.sleep(max(0.0, t - time.time()))
+
+    async def heartbeats(stub) -> None:
+        await asyncio.sleep(rng.uniform(0, spec["heartbeat_s"]))
+        while time.time() + spec["heartbeat_s"] < stop_at:
+            await call(rec, "Heartbeat", stub.heartbeat(pb.HeartbeatRequest(loaded_version=0)))
+            await asyncio.sleep(spec["heartbeat_s"] * rng.uniform(0.8, 1.2))
+
+    async def node(i: int) -> None:
+        await sleep_until(spec["t0"] + spec["ramp_s"] * i / max(n, 1))
+        key = PrivateKey.generate()
+        channel = secure_channel(spec["address"], ca, server_name="localhost")
+        stub = SignedStub(channel, key, timeout=spec["call_timeout_s"])
+        beat = None
+        try:
+            while time.time() < stop_at:
+                if await call(rec, "Register", stub.register(pb.RegisterRequest(
+                        public_key=key.public.raw, software_version="scale-sim", display_name=f"sim-{i}"))):
+                    break
+                await asyncio.sleep(1.0)
+            beat = asyncio.create_task(heartbeats(stub))
+            while time.time() < stop_at:
+                resp = await call(rec, "LeaseWork", stub.lease_work(pb.LeaseRequest(max_leases=1, loaded_version=0)))
+                if resp is None:
+                    await asyncio.sleep(1.0)
+                    continue
+                if not resp.leases:
+                    if rec.inside(time.time()):
+                        rec.no_lease[resp.wait_reason or "none"] += 1
+                    await asyncio.sleep(max(resp.retry_after_ms, 100) / 1000)
+                    continue
+                if rec.inside(time.time()):
+                    rec.leases += len(resp.leases)
+                lease = resp.leases[0]
+                think = rng.lognormvariate(mu, sigma)
+                if time.time() + think >= stop_at:
+                    break  # the run ends mid-generation: the lease is simply abandoned
+                await asyncio.sleep(think)
+                shape = (lease.group_size, lease.max_new_tokens)
+                if shape not in tails:
+                    tails[shape] = group_tail(pb, *shape)
+                body = pb.SubmitGroupRequest(lease_id=lease.lease_id, policy_version=lease.policy_version
+                                             ).SerializeToString() + tails[shape]
+                await call(rec, "SubmitGroup", stub.call_raw("SubmitGroup", body))
+        finally:
+            if beat is not None:
+                beat.cancel()
+            await channel.close()
+
+    tasks = [asyncio.create_task(node(i)) for i in range(n)]
+    await sleep_until(spec["measure_from"])
+    cpu_a = resource.getrusage(resource.RUSAGE_SELF)
+    await sleep_until(spec["measure_to"])
+    cpu_b = resource.getrusage(resource.RUSAGE_SELF)
+    # Every loop checks stop_at and every call has a deadline: the nodes end by themselves.
+    done, pending = await asyncio.wait(tasks, timeout=spec["call_timeout_s"] + 5)
+    for t in pending:
+        t.cancel()
+    await asyncio.gather(*pending, return_exceptions=True)
+    return {
+        "latencies": {m: v for m, v in rec.latencies.items()},
+        "ok": dict(rec.ok),
+        "errors": {m: dict(c) for m, c in rec.errors.items()},
+        "error_examples": rec.examples,
+        "no_lease": dict(rec.no_lease),
+        "leases": rec.leases,
+        "cpu_s": (cpu_b.ru_utime + cpu_b.ru_stime) - (cpu_a.ru_utime + cpu_a.ru_stime),
+        "unfinished": len(pending),
+    }
+
+
+def worker_main(spec_json: str) -> int:
+    spec = json.loads(spec_json)
+    result = asyncio.run(run_nodes(spec))
+    sys.stdout.write(json.dumps(result) + "\n")
+    return 0
+
+
+# --- the coordinator side ---------------------------------------------------------------------------
+
+
+def thread_cpu(pid: int) -> tuple[float, float]:
+    """(all threads, main thread) CPU seconds of process ``pid``."""
+    import psutil
+
+    p = psutil.Process(pid)
+    total = sum(p.cpu_times()[:2])
+    main = next((t.user_time + t.system_time for t in p.threads() if t.id == pid), 0.0)
+    return total, main
+
+
+def server_seconds(http_port: int) -> dict[str, tuple[float, float]]:
+    """method -> (sum of server seconds, count) from the coordinator's /metrics."""
+    try:
+        text = urllib.request.urlopen(f"http://127.0.0.1:{http_port}/metrics", timeout=10).read().decode()
+    except OSError:
+        return {}
+    out: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
+    for m in re.finditer(r'^veriroll_request_seconds_(sum|count)\{method="(\w+)"\} (\S+)$', text, re.M):
+        out[m.group(2)][0 if m.group(1) == "sum" else 1] = float(m.group(3))
+    return {k: (v[0], v[1]) for k, v in out.items()}
+
+
+class RssSampler(threading.Thread):
+    """The coordinator's peak resident memory, sampled every 0.25 s until stopped."""
+
+    def __init__(self, pid: int):
+        super().__init__(daemon=True)
+        self.pid, self.peak, self._halt = pid, 0, threading.Event()
+
+    def run(self) -> None:
+        import psutil
+
+        p = psutil.Process(self.pid)
+        while not self._halt.wait(0.25):
+            try:
+                self.peak = max(self.peak, p.memory_info().rss)
+            except psutil.Error:
+                return
+
+    def stop(self) -> int:
+        self._halt.set()
+        self.join(timeout=2)
+        return self.peak
+
+
+def fixed_costs(coord_dir: Path) -> dict:
+    """One Ed25519 verification and one durable SQLite commit, measured on this machine."""
+    from veriroll.coordinator import store as st
+    from veriroll.protos.identity import PrivateKey
+
+    key = PrivateKey.generate()
+    msg = os.urandom(200)
+    sig = key.sign(msg)
+    t = time.process_time()
+    for _ in range(300):
+        key.public.verify(sig, msg)
+    verify_us = (time.process_time() - t) / 300 * 1e6
+    path = coord_dir / "commit-probe.db"
+    conn = st.connect(path)
+    conn.execute("CREATE TABLE IF NOT EXISTS probe (x INTEGER)")
+    t = time.perf_counter()
+    for i in range(40):
+        conn.execute("BEGIN IMMEDIATE")
+        conn.execute("INSERT INTO probe VALUES (?)", (i,))
+        conn.execute("COMMIT")
+    commit_ms = (time.perf_counter() - t) / 40 * 1000
+    conn.close()
+    for suffix in ("", "-wal", "-shm"):
+        Path(str(path) + suffix).unlink(missing_ok=True)
+    return {"ed25519_verify_us": round(verify_us, 1), "sqlite_commit_ms": round(commit_ms, 2)}
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    values = sorted(values)
+    return values[min(len(values) - 1, max(0, math.ceil(q / 100 * len(values)) - 1))]
+
+
+def run_scale(nodes: int, args, root: Path) -> dict:
+    """One fresh coordinator, ``nodes`` simulated nodes, one measurement window."""
+    sys.path.insert(0, str(HERE.parents[1] / "tests"))
+    from support import make_coordinator_dir
+
+    work = root / f"n{nodes}"
+    work.mkdir()
+    base = make_coordinator_dir(work, {
+        "leases.group_size": args.group_size, "leases.max_new_tokens": args.tokens, "leases.queue_maxsize": 10**9,
+        "leases.ttl_s": 120, "leases.max_open_per_node": 2, "intake.verify": False, "trainer.enabled": False,
+        "server.key_rate_per_s": 1000.0, "server.key_burst": 1000.0, "server.peer_rate_per_s": 1e6,
+        "server.peer_burst": 1e6, "server.max_concurrent_rpcs": 16384,
+    })
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    veriroll = str(Path(sys.executable).parent / "veriroll")
+    coord = subprocess.Popen([veriroll, "coordinator", "run", "--dir", str(base), "--log-level", "warning"], env=env)
+    workers: list[subprocess.Popen] = []
+    sampler = None
+    try:
+        deadline = time.time() + 120
+        while not (base / "ports.json").exists():
+            if coord.poll() is not None or time.time() > deadline:
+                raise RuntimeError(f"the coordinator did not start (exit code {coord.poll()})")
+            time.sleep(0.1)
+        ports = json.loads((base / "ports.json").read_text())
+        t0 = time.time() + 2.0  # client processes import and generate keys meanwhile
+        # Connecting (TLS) and registering are not the steady state: start at most --ramp-rate nodes/s.
+        ramp_s = max(args.ramp_s, nodes / args.ramp_rate)
+        measure_from = t0 + ramp_s + args.settle_s
+        spec = {"address": f"127.0.0.1:{ports['grpc']}", "ca": str(base / "tls" / "ca.crt"), "t0": t0,
+                "ramp_s": ramp_s, "measure_from": measure_from, "measure_to": measure_from + args.measure_s,
+                "stop_at": measure_from + args.measure_s, "think_s": args.think_s, "think_sigma": args.think_sigma,
+                "heartbeat_s": args.heartbeat_s, "call_timeout_s": args.call_timeout_s}
+        procs = max(1, min(args.client_procs, nodes))
+        for w in range(procs):
+            share = nodes // procs + (1 if w < nodes % procs else 0)
+            wspec = dict(spec, nodes=share, seed=1000 * nodes + w)
+            workers.append(subprocess.Popen([sys.executable, str(HERE), "--worker", json.dumps(wspec)],
+                                            env=env, stdout=subprocess.PIPE, text=True))
+        sampler = RssSampler(coord.pid)
+        sampler.start()
+        time.sleep(max(0.0, measure_from - time.time()))
+        cpu_a, main_a = thread_cpu(coord.pid)
+        srv_a = server_seconds(ports["http"])
+        time.sleep(max(0.0, spec["measure_to"] - time.time()))
+        cpu_b, main_b = thread_cpu(coord.pid)
+        srv_b = server_seconds(ports["http"])
+        import psutil
+
+        rss = psutil.Process(coord.pid).memory_info().rss
+        results = []
+        for w in workers:
+            out, _ = w.communicate(timeout=args.call_timeout_s + 60)
+            if w.returncode != 0 or not out.strip():
+                raise RuntimeError(f"a client process failed (exit code {w.returncode})")
+            results.append(json.loads(out.strip().splitlines()[-1]))
+        peak = sampler.stop()
+    finally:
+        if sampler is not None:
+            sampler.stop()
+        for w in workers:
+            if w.poll() is None:
+                w.kill()
+                w.wait(timeout=10)
+        coord.send_signal(signal.SIGTERM)
+        try:
+            coord.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            coord.kill()
+            coord.wait(timeout=10)
+    return summarize(nodes, args, results, (cpu_b - cpu_a, main_b - main_a), srv_a, srv_b, rss, peak)
+
+
+def summarize(nodes: int, args, results: list[dict], cpu: tuple[float, float], srv_a: dict, srv_b: dict,
+              rss: int, peak_rss: int) -> dict:
+    window = args.measure_s
+    lat: dict[str, list[float]] = defaultdict(list)
+    ok: Counter = Counter()
+    errors: dict[str, Counter] = defaultdict(Counter)
+    no_lease: Counter = Counter()
+    examples: dict[str, str] = {}
+    leases = 0
+    client_cpu = 0.0
+    for r in results:
+        for reason, text in r["error_examples"].items():
+            examples.setdefault(reason, text)
+        for m, v in r["latencies"].items():
+            lat[m] += v
+        ok.update(r["ok"])
+        for m, c in r["errors"].items():
+            errors[m].update(c)
+        no_lease.update(r["no_lease"])
+        leases += r["leases"]
+        client_cpu += r["cpu_s"]
+    accepted = ok["SubmitGroup"]
+    mean_think = args.think_s * math.exp(args.think_sigma ** 2 / 2)
+    latency = {m: {"p50_ms": _ms(percentile(lat[m], 50)), "p99_ms": _ms(percentile(lat[m], 99)), "n": len(lat[m])}
+               for m in METHODS if lat[m]}
+    server = {}
+    for m in METHODS:
+        (s_a, n_a), (s_b, n_b) = srv_a.get(m, (0.0, 0.0)), srv_b.get(m, (0.0, 0.0))
+        if n_b > n_a:
+            server[m] = _ms((s_b - s_a) / (n_b - n_a))
+    calls = sum(ok.values()) + sum(sum(c.values()) for c in errors.values())
+    return {
+        "nodes": nodes,
+        "leases_per_s": round(leases / window, 1),
+        "submissions_per_s": round(accepted / window, 1),
+        "heartbeats_per_s": round(ok["Heartbeat"] / window, 1),
+        # What the nodes would submit if every call were answered at once: nodes / mean think time.
+        "offered_submissions_per_s": round(nodes / mean_think, 1),
+        "held_fraction": round(accepted / window / (nodes / mean_think), 3),
+        "latency": latency,
+        "server_mean_ms": server,
+        "errors": {m: dict(c) for m, c in errors.items() if c},
+        "error_examples": examples,
+        "error_fraction": round(sum(sum(c.values()) for c in errors.values()) / max(calls, 1), 4),
+        "no_lease": dict(no_lease),
+        "coordinator": {
+            "cpu_cores": round(cpu[0] / window, 2),
+            "main_thread_cores": round(cpu[1] / window, 2),
+            "cpu_ms_per_group": round(cpu[0] / accepted * 1000, 2) if accepted else None,
+            "rss_mb": round(rss / 2**20, 1),
+            "peak_rss_mb": round(peak_rss / 2**20, 1),
+        },
+        "client_cpu_cores": round(client_cpu / window, 2),
+        "load_avg": round(os.getloadavg()[0], 2),
+        "unfinished_nodes": sum(r["unfinished"] for r in results),
+    }
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds * 1000, 1)
+
+
+# --- where it saturates ------------------------------------------------------------------------------
+
+SPLIT = {
+    "event_loop_cpu": "split the edge from the store: several edge processes (TLS, signature and replay checks, "
+                      "parsing and shape checks, rewards; stateless, behind SO_REUSEPORT or a load balancer) in front "
+                      "of one store process that issues leases and commits accepted groups; beyond that, shard nodes "
+                      "across coordinators by key",
+    "store_writer": "keep one edge, give the store its own process and batch harder (larger group commits), or shard "
+                    "nodes across coordinators by key, each with its own store",
+    "machine_cpu": "rerun on a quieter machine, or with the clients on another one, before splitting anything",
+}
+
+
+def mean_think_s(scales: list[dict]) -> float:
+    s = scales[-1]
+    return s["nodes"] / s["offered_submissions_per_s"] if s["offered_submissions_per_s"] else float("nan")
+
+
+
+def saturated(s: dict) -> bool:
+    """The coordinator no longer keeps up: it holds under 80% of the offered rate, or calls fail or crawl."""
+    p99 = (s["latency"].get("SubmitGroup") or {}).get("p99_ms") or 0.0
+    return s["held_fraction"] < 0.8 or s["error_fraction"] > 0.01 or p99 > 2000
+
+
+def verdict(scales: list[dict], costs: dict) -> tuple[dict, str]:
+    """Name the resource that ran out first (or the headroom left) and what to split, from the figures."""
+    best = max(scales, key=lambda s: s["submissions_per_s"])
+    knee = next((s for s in scales if saturated(s)), None)
+    top = knee or scales[-1]
+    c = top["coordinator"]
+    per_group_ms = c["cpu_ms_per_group"] or float("nan")
+    # Requests per accepted group the coordinator verifies: a lease, a submission, and the heartbeats.
+    calls_per_group = 2 + (top["heartbeats_per_s"] / top["submissions_per_s"] if top["submissions_per_s"] else 0)
+    verify_share = costs["ed25519_verify_us"] / 1000 * calls_per_group / per_group_ms if c["cpu_ms_per_group"] else None
+    submit_client = (top["latency"].get("SubmitGroup") or {}).get("p50_ms") or 0.0
+    submit_server = top["server_mean_ms"].get("SubmitGroup") or 0.0
+    commit_ceiling = 1000 / costs["sqlite_commit_ms"] if costs["sqlite_commit_ms"] else float("inf")
+    # One Python process runs Python on one core at a time (the GIL): near one core busy, or the
+    # event-loop thread near it, is CPU-bound; a store that answers slowly while CPU is spare is not.
+    if c["cpu_cores"] >= 0.8 or c["main_thread_cores"] >= 0.6:
+        resource = "event_loop_cpu"
+        why = (f"the coordinator process is CPU-bound at {c['cpu_cores']:.2f} cores ({c['main_thread_cores']:.2f} on the "
+               f"event-loop thread; one Python process runs Python on one core at a time), {per_group_ms:.1f} ms of CPU "
+               f"per accepted group; Ed25519 checks are ~{(verify_share or 0):.0%} of it, the rest gRPC/TLS, protobuf, "
+               f"the intake checks and the store ops")
+    elif submit_server > 0.5 * submit_client and submit_server > 20:
+        resource = "store_writer"
+        why = (f"SubmitGroup spends {submit_server:.0f} of its {submit_client:.0f} ms (p50) inside the coordinator "
+               f"waiting on the single store writer (a durable commit costs {costs['sqlite_commit_ms']:.1f} ms here, "
+               f"~{commit_ceiling:.0f} commits/s, shared by a batch) while the process uses only "
+               f"{c['cpu_cores']:.2f} cores")
+    else:
+        resource = "machine_cpu"
+        why = (f"neither the coordinator's CPU ({c['cpu_cores']:.2f} cores) nor its store (SubmitGroup "
+               f"{submit_server:.0f} ms inside of {submit_client:.0f} ms p50) is exhausted: the machine is (load "
+               f"average {top['load_avg']:.1f}, clients {top['client_cpu_cores']:.2f} cores)")
+    split = SPLIT[resource]
+    if knee is None:
+        last = scales[-1]
+        # Python work in one process runs on one core at a time: groups per coordinator core-second
+        # bounds what this coordinator could hold once that core is full.
+        ceiling = last["submissions_per_s"] / c["cpu_cores"] if c["cpu_cores"] else float("inf")
+        text = (f"No saturation up to {last['nodes']} nodes: it held {last['submissions_per_s']:.0f} groups/s and "
+                f"{last['leases_per_s']:.0f} leases/s ({last['held_fraction']:.0%} of offered) on "
+                f"{c['cpu_cores']:.2f} coordinator cores ({c['main_thread_cores']:.2f} event loop), "
+                f"{per_group_ms:.1f} ms of CPU per group, Ed25519 ~{(verify_share or 0):.0%} of it; at one full core "
+                f"that is a ceiling near {ceiling:.0f} groups/s (~{ceiling * mean_think_s(scales):.0f} nodes at this "
+                f"think time), reached first by the event loop's CPU unless the store writer "
+                f"(SubmitGroup {submit_server:.0f} ms inside of {submit_client:.0f} ms p50) is. When it comes: "
+                f"{SPLIT['event_loop_cpu']}.")
+    else:
+        text = (f"One coordinator holds ~{best['submissions_per_s']:.0f} accepted groups/s and "
+                f"{best['leases_per_s']:.0f} leases/s (best at {best['nodes']} nodes); at {knee['nodes']} nodes it "
+                f"holds {knee['held_fraction']:.0%} of the offered {knee['offered_submissions_per_s']:.0f}/s "
+                f"(SubmitGroup p99 {(knee['latency'].get('SubmitGroup') or {}).get('p99_ms')} ms). It saturates "
+                f"because {why}. Split: {split}.")
+    summary = {"resource": resource if knee else "not_reached", "at_nodes": knee["nodes"] if knee else None,
+               "held_groups_per_s": best["submissions_per_s"], "held_leases_per_s": best["leases_per_s"],
+               "verify_share_of_cpu": round(verify_share, 3) if verify_share is not None else None}
+    return summary, text
+
+
+def main() -> int:
+    if len(sys.argv) == 3 and sys.argv[1] == "--worker":
+        return worker_main(sys.argv[2])
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="50, 100 and 200 nodes, short windows (under two minutes)")
+    ap.add_argument("--scales", default="100,300,1000", help="comma-separated node counts")
+    ap.add_argument("--measure-s", type=float, default=30.0, help="measurement window per scale")
+    ap.add_argument("--ramp-s", type=float, default=5.0, help="nodes start staggered over at least this long")
+    ap.add_argument("--ramp-rate", type=float, default=50.0, help="and at most this many nodes start per second")
+    ap.add_argument("--settle-s", type=float, default=5.0, help="wait after the ramp before measuring")
+    ap.add_argument("--think-s", type=float, default=3.0, help="median think (generation) time per lease")
+    ap.add_argument("--think-sigma", type=float, default=0.5, help="lognormal sigma of the think time")
+    ap.add_argument("--heartbeat-s", type=float, default=5.0, help="heartbeat period per node")
+    ap.add_argument("--group-size", type=int, default=8)
+    ap.add_argument("--tokens", type=int, default=64, help="generated tokens per sample")
+    ap.add_argument("--client-procs", type=int, default=2, help="processes the simulated nodes are spread over")
+    ap.add_argument("--call-timeout-s", type=float, default=30.0, help="deadline of every call")
+    args = ap.parse_args()
+    if args.quick:
+        args.scales, args.measure_s, args.ramp_s, args.settle_s = "50,100,200", 10.0, 3.0, 2.0
+    scales = [int(x) for x in args.scales.split(",") if x.strip()]
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    root = Path(tempfile.mkdtemp(prefix="veriroll-bench-scale-"))
+    t_start = time.time()
+    try:
+        figures = []
+        for n in scales:
+            s = run_scale(n, args, root)
+            figures.append(s)
+            lw, sg = s["latency"].get("LeaseWork") or {}, s["latency"].get("SubmitGroup") or {}
+            print(f"{n:5d} nodes: {s['leases_per_s']:6.1f} leases/s {s['submissions_per_s']:6.1f} groups/s "
+                  f"({s['held_fraction']:.0%} of offered {s['offered_submissions_per_s']:.0f}/s) | p50/p99 ms "
+                  f"lease {lw.get('p50_ms')}/{lw.get('p99_ms')} submit {sg.get('p50_ms')}/{sg.get('p99_ms')} | "
+                  f"coordinator {s['coordinator']['cpu_cores']:.2f} cores (loop {s['coordinator']['main_thread_cores']:.2f}), "
+                  f"{s['coordinator']['rss_mb']:.0f} MB | errors {s['errors'] or 0} | load {s['load_avg']}", flush=True)
+        costs = fixed_costs(root)
+        summary, text = verdict(figures, costs)
+        print(text, flush=True)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    print(json.dumps({
+        "scales": figures, "saturation": summary, "verdict": text, "fixed_costs": costs,
+        "config": {"think_median_s": args.think_s, "think_sigma": args.think_sigma, "heartbeat_s": args.heartbeat_s,
+                   "group": f"{args.group_size}x{args.tokens} tokens", "measure_s": args.measure_s,
+                   "client_procs": args.client_procs, "cpus": os.cpu_count(), "wall_s": round(time.time() - t_start, 1)},
+    }))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

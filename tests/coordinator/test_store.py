@@ -1,0 +1,110 @@
+"""The store's writer and its O(1) queue depth; the intake's tokenizer shortcut."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import threading
+
+import pytest
+
+from veriroll.coordinator import store as st
+
+
+def insert_group(conn, i: int) -> None:
+    conn.execute("INSERT INTO groups(lease_id, node_id, prompt_id, env, policy_version, temperature, arrival_ms, "
+                 "content_hash, tokens, mean_reward, verified) VALUES(?, 'n', ?, 'e', 0, 1.0, 0, 'h', 1, 0.0, 0)",
+                 (f"lease-{i}", i))
+
+
+def counted(conn) -> int:
+    return conn.execute("SELECT COUNT(*) FROM groups WHERE consumed_step IS NULL AND dropped IS NULL").fetchone()[0]
+
+
+def test_queued_groups_follows_accepts_consumption_drops_and_deletes(tmp_path):
+    conn = st.connect(tmp_path / "state.db")
+    for i in range(10):
+        insert_group(conn, i)
+    assert st.queued_groups(conn) == counted(conn) == 10
+    conn.execute("UPDATE groups SET consumed_step = 1 WHERE group_id <= 3")
+    conn.execute("UPDATE groups SET dropped = 'stale' WHERE group_id IN (3, 4, 5)")  # 3 was consumed already
+    assert st.queued_groups(conn) == counted(conn) == 5
+    conn.execute("UPDATE groups SET consumed_step = NULL WHERE group_id = 1")  # back in the queue
+    conn.execute("UPDATE groups SET mean_reward = 1.0")  # other columns do not move the count
+    conn.execute("DELETE FROM groups WHERE group_id IN (2, 6)")
+    assert st.queued_groups(conn) == counted(conn) == 5
+    conn.close()
+
+
+def test_queued_groups_starts_from_the_rows_of_an_older_database(tmp_path):
+    conn = st.connect(tmp_path / "state.db")
+    conn.executescript("DROP TRIGGER groups_queued_insert; DROP TRIGGER groups_queued_update; "
+                       "DROP TRIGGER groups_queued_delete; DROP TABLE counters;")
+    for i in range(7):
+        insert_group(conn, i)
+    conn.execute("UPDATE groups SET consumed_step = 1 WHERE group_id = 1")
+    conn.close()
+    conn = st.connect(tmp_path / "state.db")
+    assert st.queued_groups(conn) == 6
+    insert_group(conn, 99)
+    assert st.queued_groups(conn) == counted(conn) == 7
+    conn.close()
+
+
+def test_an_async_caller_that_gave_up_is_skipped_and_the_writer_goes_on(tmp_path):
+    db = st.Database(tmp_path / "state.db")
+    ran: list[str] = []
+    started, gate = threading.Event(), threading.Event()
+
+    async def scenario():
+        # Hold the writer inside an op, so the next op waits in the queue until its caller gives up.
+        blocker = db.submit(lambda c: (started.set(), gate.wait(10)))
+        await asyncio.to_thread(started.wait, 10)
+        abandoned = asyncio.create_task(db.run(lambda c: ran.append("abandoned")))
+        await asyncio.sleep(0.05)
+        abandoned.cancel()
+        gate.set()
+        blocker.result(timeout=10)
+        assert await db.run(lambda c: ran.append("next") or 42) == 42
+        with pytest.raises(asyncio.CancelledError):
+            await abandoned
+
+    asyncio.run(scenario())
+    db.close()
+    assert ran == ["next"]
+
+
+def test_an_op_that_raises_rolls_back_alone_and_reaches_its_async_caller(tmp_path):
+    db = st.Database(tmp_path / "state.db")
+
+    def bad(conn):
+        st.kv_set(conn, "bad", 1)
+        raise ValueError("boom")
+
+    async def scenario():
+        results = await asyncio.gather(db.run(bad), db.run(lambda c: st.kv_set(c, "good", 1)),
+                                       db.run_read(lambda c: 7), return_exceptions=True)
+        assert isinstance(results[0], ValueError) and results[1] is None and results[2] == 7
+        return await db.run_read(lambda c: (st.kv_get(c, "bad"), st.kv_get(c, "good")))
+
+    assert asyncio.run(scenario()) == (None, 1)
+    db.close()
+
+
+def test_text_codec_gives_the_tokenizers_ids_and_text(tmp_path):
+    from support import build_tiny_checkpoint
+    from transformers import AutoTokenizer
+
+    from veriroll.coordinator.environments import load_environment
+    from veriroll.coordinator.service import TextCodec, encode_prompt
+
+    tok = AutoTokenizer.from_pretrained(str(build_tiny_checkpoint(tmp_path / "v0")))
+    env = load_environment("arithmetic")
+    codec = TextCodec(tok, [p.text for p in env.sample_prompts(random.Random(1), 8)])
+    assert codec._backend is not None  # the shortcut is taken for the project's own tokenizer
+    rng = random.Random(2)
+    for p in env.sample_prompts(rng, 50):
+        assert codec.encode(p.text) == encode_prompt(tok, p.text)
+    for _ in range(50):
+        ids = [rng.randrange(len(tok)) for _ in range(rng.randrange(1, 40))]
+        assert codec.decode(ids) == tok.decode(ids, skip_special_tokens=True)
