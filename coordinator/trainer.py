@@ -474,6 +474,11 @@ class Trainer:
         self.cfg = cfg
         self.tcfg: TrainerConfig = cfg.trainer
         self.s_max = cfg.intake.s_max
+        # A batch holds at most groups_per_step groups, so waiting for more would be waiting forever.
+        self.min_groups = min(self.tcfg.min_groups, self.tcfg.groups_per_step)
+        if self.min_groups < self.tcfg.min_groups:
+            log.warning("trainer.min_groups %d > groups_per_step %d; using %d", self.tcfg.min_groups,
+                        self.tcfg.groups_per_step, self.min_groups)
         self.db = db
         self.policy_store = policy_store
         self.metrics = metrics
@@ -525,7 +530,7 @@ class Trainer:
             torch.set_rng_state(state["torch_rng"])
             random.setstate(_tuplify(state["python_rng"]))
         else:
-            step = 0
+            step, state = 0, {"consumed_groups": 0}
         self.step_no = step
         if self.tcfg.kl_coef != 0.0:
             self.ref_model = self._load_model(base_version).requires_grad_(False)
@@ -537,9 +542,15 @@ class Trainer:
             st.kv_set(conn, HISTORY_KEY, history)
             version = int(st.kv_get(conn, "policy_version", 0))
             was_done = bool(st.kv_get(conn, "trainer_done", False))
-            return reset, history, version, was_done
+            trained = conn.execute("SELECT COUNT(*) FROM groups WHERE consumed_step IS NOT NULL").fetchone()[0]
+            return reset, history, version, was_done, trained
 
-        reset, self.history, self.version, was_done = self.db.run_sync(op)
+        reset, self.history, self.version, was_done, trained = self.db.run_sync(op)
+        if trained != state.get("consumed_groups", trained):
+            # The store and the checkpoint disagree on what the weights have seen (a store restored from
+            # another backup than the checkpoints?): training goes on, but an operator should know.
+            log.warning("the checkpoint of step %d was taken after %d consumed groups, the store now shows %d",
+                        step, state["consumed_groups"], trained)
         # The stop conditions are checked against the current config: raising max_steps continues training.
         self.done = self._stop_reason() is not None
         if self.done != was_done:
@@ -572,7 +583,7 @@ class Trainer:
         fresh, stale = self.db.read(lambda c: select_groups(c, self.version, self.s_max, t.groups_per_step)).result()
         if stale:
             self._drop_stale(stale)
-        if len(fresh) < t.min_groups:
+        if len(fresh) < self.min_groups:
             self._note_waiting(len(fresh))
             return StepOutcome("waiting", self.step_no)
         self._waiting_since = None
@@ -610,7 +621,7 @@ class Trainer:
         now = self.clock()
         if self._waiting_since is None or now - self._last_wait_log >= WAIT_LOG_EVERY_S:
             waited = "" if self._waiting_since is None else f" (for {now - self._waiting_since:.0f} s)"
-            log.info("trainer waiting for groups: %d fresh queued, min_groups is %d%s", fresh, self.tcfg.min_groups, waited)
+            log.info("trainer waiting for groups: %d fresh queued, min_groups is %d%s", fresh, self.min_groups, waited)
             self._last_wait_log = now
             if self._waiting_since is None:
                 self._waiting_since = now
@@ -751,6 +762,11 @@ class Trainer:
             "torch_rng": torch.get_rng_state(),
             "python_rng": _listify(random.getstate()),
             "time": self.clock(),
+            # What the weights have been trained on is the groups with consumed_step <= step; their
+            # number is kept as a cross-check against the store on resume.
+            "consumed_groups": self.db.read(lambda c: c.execute(
+                "SELECT COUNT(*) FROM groups WHERE consumed_step IS NOT NULL AND consumed_step <= ?",
+                (self.step_no,)).fetchone()[0]).result(),
         }
         return save_training_state(self.state_dir, self.step_no, state, keep=self.tcfg.keep_checkpoints)
 
