@@ -138,16 +138,21 @@ class RolloutBatch:
         return RolloutBatch(**{k: getattr(self, k)[rows] for k in self.__dataclass_fields__})
 
 
-def select_groups(conn: sqlite3.Connection, version: int, s_max: int, limit: int) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+def select_groups(conn: sqlite3.Connection, version: int, s_max: int, limit: int,
+                  reference: dict[int, int] | None = None) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
     """Unconsumed, undropped groups as ``(fresh, stale)`` lists of ``(group_id, staleness)``, oldest first.
 
     ``fresh`` holds at most ``limit`` groups with staleness ≤ ``s_max``; ``stale`` every group beyond it.
+    ``reference`` maps group ids to the version their staleness is measured against instead of
+    ``version`` (after a resume: the restored checkpoint's version, see :meth:`Trainer.resume`).
     """
+    reference = reference or {}
     rows = conn.execute("SELECT group_id, policy_version FROM groups WHERE consumed_step IS NULL AND dropped IS NULL "
                         "ORDER BY group_id").fetchall()
     fresh, stale = [], []
     for r in rows:
-        s = version - int(r["policy_version"])
+        gid = int(r["group_id"])
+        s = max(0, reference[gid] - int(r["policy_version"])) if gid in reference else version - int(r["policy_version"])
         if s > s_max:
             stale.append((int(r["group_id"]), s))
         elif len(fresh) < limit:
@@ -490,6 +495,7 @@ class Trainer:
         self.optimizer: torch.optim.Optimizer | None = None
         self.step_no = 0
         self.version = 0
+        self.resume_reference: dict[int, int] = {}  # group id → version its staleness counts from
         self.done = False
         self.history: list[dict] = []
         self._stale_pending: Counter = Counter()  # staleness → samples dropped since the last step
@@ -536,7 +542,13 @@ class Trainer:
             self.ref_model = self._load_model(base_version).requires_grad_(False)
 
         def op(conn):
-            reset = conn.execute("UPDATE groups SET consumed_step = NULL WHERE consumed_step > ?", (step,)).rowcount
+            rows = conn.execute("UPDATE groups SET consumed_step = NULL WHERE consumed_step > ? RETURNING group_id",
+                                (step,)).fetchall()
+            reset = len(rows)
+            # Those groups were trained into weights that the crash lost. The restored weights are the
+            # checkpoint's version: their staleness counts from it, not from the newest version number,
+            # or the resume would drop as stale exactly the groups it promised to train again.
+            self.resume_reference = {int(r[0]): int(state.get("version", 0)) for r in rows}
             st.kv_set(conn, "trainer_step", step)
             history = [h for h in st.kv_get(conn, HISTORY_KEY, []) if h.get("step", 0) <= step]
             st.kv_set(conn, HISTORY_KEY, history)
@@ -580,7 +592,8 @@ class Trainer:
         if self.done:
             return StepOutcome("done", self.step_no)
         t = self.tcfg
-        fresh, stale = self.db.read(lambda c: select_groups(c, self.version, self.s_max, t.groups_per_step)).result()
+        fresh, stale = self.db.read(lambda c: select_groups(c, self.version, self.s_max, t.groups_per_step,
+                                                            self.resume_reference)).result()
         if stale:
             self._drop_stale(stale)
         if len(fresh) < self.min_groups:

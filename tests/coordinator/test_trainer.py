@@ -320,3 +320,21 @@ def test_policy_learns_from_its_own_rollouts(trainer_env):
         curve.append(out.metrics["reward"])
     assert np.mean(curve[:5]) < 0.3
     assert np.mean(curve[-5:]) > 0.6, curve
+
+
+def test_groups_reset_by_a_resume_count_staleness_from_the_restored_version():
+    """After a crash, groups trained into the lost steps are trained again, not dropped as stale."""
+    from veriroll.coordinator import store as st_mod
+    from veriroll.coordinator.trainer import select_groups
+
+    conn = st_mod.connect(":memory:")
+    for gid, version in ((1, 1), (2, 5)):
+        conn.execute("INSERT INTO groups(group_id, lease_id, node_id, prompt_id, env, policy_version, temperature, "
+                     "arrival_ms, content_hash, tokens, mean_reward, verified) VALUES(?, ?, 'n', 1, 'e', ?, 1, 0, '', 1, 0, 1)",
+                     (gid, f"l{gid}", version))
+    # Newest version 8, s_max 2: both groups are stale against it...
+    fresh, stale = select_groups(conn, 8, 2, 16)
+    assert fresh == [] and [g for g, _ in stale] == [1, 2]
+    # ...but group 2 was reset by a resume to the checkpoint of version 5: it is fresh against that.
+    fresh, stale = select_groups(conn, 8, 2, 16, {2: 5})
+    assert fresh == [(2, 0)] and stale == [(1, 7)]
