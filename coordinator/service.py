@@ -257,8 +257,9 @@ class CoordinatorService:
         cur = conn.execute("INSERT INTO prompts(env, text, answer, meta, prompt_ids, state, attempts) "
                            "VALUES(?, ?, ?, ?, ?, 'leased', 1)",
                            (prompt.env, prompt.text, prompt.answer, json.dumps(prompt.meta or {}), st.pack_i32(ids)))
-        drawn = int(st.kv_get(conn, "prompts_drawn", 0)) + 1
-        st.kv_set(conn, "prompts_drawn", drawn)
+        # prompts_drawn (JSON text in kv) counts the stream's draws, to resume it after a restart.
+        conn.execute("INSERT INTO kv(key, value) VALUES('prompts_drawn', '1') "
+                     "ON CONFLICT(key) DO UPDATE SET value = CAST(value AS INTEGER) + 1")
         return int(cur.lastrowid), ids, prompt.env
 
     def expire_leases(self, conn: sqlite3.Connection, now: int) -> int:
@@ -278,6 +279,9 @@ class CoordinatorService:
                 if v >= 0 and version - self.cfg.intake.s_max < v <= version]
         lease_version = max(held) if held else version
         wanted = max(1, min(int(req.max_leases or 1), lc.max_open_per_node))
+        deadline = now + int(lc.ttl_s * 1000)
+        # Everything that needs no state is drawn here, so the serialized writer only reads and writes.
+        fresh = [(secrets.token_hex(12), random_seeds(lc.group_size)) for _ in range(wanted)]
 
         def op(conn):
             expired = self.expire_leases(conn, now)
@@ -287,8 +291,8 @@ class CoordinatorService:
             k = min(wanted, lc.max_open_per_node - open_n)
             if k <= 0:
                 return [], expired, "too_many_open_leases"
-            leases = []
-            for _ in range(k):
+            issued = []
+            for lease_id, seeds in fresh[:k]:
                 # A prompt back in the pool (its lease expired or was spent) goes first, else a new one.
                 row = conn.execute("UPDATE prompts SET state = 'leased', attempts = attempts + 1 WHERE prompt_id = "
                                    "(SELECT prompt_id FROM prompts WHERE state = 'pending' ORDER BY prompt_id LIMIT 1) "
@@ -297,23 +301,20 @@ class CoordinatorService:
                     prompt_id, ids, env = int(row[0]), st.unpack_i32(row[1]).tolist(), row[2]
                 else:
                     prompt_id, ids, env = self._new_prompt(conn)
-                seeds = [secrets.randbits(64) for _ in range(lc.group_size)]
-                lease_id = secrets.token_hex(12)
-                deadline = now + int(lc.ttl_s * 1000)
                 conn.execute(
                     "INSERT INTO leases(lease_id, node_id, prompt_id, group_size, temperature, max_new_tokens, seeds, "
                     "stop_token_ids, policy_version, issued_ms, deadline_ms) VALUES(?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                     (lease_id, node.node_id, prompt_id, lc.group_size, lc.temperature, lc.max_new_tokens,
                      json.dumps(seeds), self._stop_ids_json, lease_version, now, deadline),
                 )
-                leases.append(pb.Lease(
-                    lease_id=lease_id, prompt_ids=ids, group_size=lc.group_size, temperature=lc.temperature,
-                    max_new_tokens=lc.max_new_tokens, seeds=seeds, policy_version=lease_version, deadline_ms=deadline,
-                    stop_token_ids=self.stop_token_ids, environment=env,
-                ))
-            return leases, expired, ""
+                issued.append((lease_id, ids, env, seeds))
+            return issued, expired, ""
 
-        leases, expired, wait = await self.db.run(op)
+        issued, expired, wait = await self.db.run(op)
+        leases = [pb.Lease(lease_id=lease_id, prompt_ids=ids, group_size=lc.group_size, temperature=lc.temperature,
+                           max_new_tokens=lc.max_new_tokens, seeds=seeds, policy_version=lease_version,
+                           deadline_ms=deadline, stop_token_ids=self.stop_token_ids, environment=env)
+                  for lease_id, ids, env, seeds in issued]
         if expired:
             self.metrics.leases_expired.inc(expired)
         self.metrics.leases_issued.inc(len(leases))
@@ -441,6 +442,11 @@ class CoordinatorService:
         """Store the group and credit the node; the op returns the group id, or None if the lease is no longer open."""
         probation_groups = self.cfg.intake.probation_groups
         num_tokens = sub.num_tokens
+        mean_reward = float(np.mean(rewards))
+        # Packed here, on the caller's side, so the serialized writer only writes.
+        rows = [(i, st.pack_i32(s.token_ids), st.pack_f32(s.logprobs),
+                 st.pack_f32(trusted[i]) if trusted is not None else None, rewards[i], s.finish_reason)
+                for i, s in enumerate(sub.samples)]
 
         def op(conn):
             n = conn.execute("UPDATE leases SET state = 'submitted' WHERE lease_id = ? AND state = 'open'",
@@ -451,24 +457,20 @@ class CoordinatorService:
                 "INSERT INTO groups(lease_id, node_id, prompt_id, env, policy_version, temperature, arrival_ms, content_hash, "
                 "tokens, mean_reward, verified) VALUES(?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (lease.lease_id, node.node_id, lease.prompt_id, prompt["env"], sub.policy_version, lease.temperature, now,
-                 digest, num_tokens, float(np.mean(rewards)), int(verified)),
+                 digest, num_tokens, mean_reward, int(verified)),
             )
             gid = int(cur.lastrowid)
             conn.executemany(
                 "INSERT INTO samples(group_id, idx, token_ids, logprobs, trusted_logprobs, reward, finish_reason) "
-                "VALUES(?, ?, ?, ?, ?, ?, ?)",
-                [(gid, i, st.pack_i32(s.token_ids), st.pack_f32(s.logprobs),
-                  st.pack_f32(trusted[i]) if trusted is not None else None, rewards[i], s.finish_reason)
-                 for i, s in enumerate(sub.samples)],
-            )
+                "VALUES(?, ?, ?, ?, ?, ?, ?)", [(gid, *row) for row in rows])
             conn.execute("UPDATE prompts SET state = 'done' WHERE prompt_id = ?", (lease.prompt_id,))
+            # SET expressions see the row before the update: clean_groups + ? is the new count.
             conn.execute(
                 "UPDATE nodes SET accepted_groups = accepted_groups + 1, accepted_tokens = accepted_tokens + ?, "
-                "clean_groups = clean_groups + ?, last_seen_ms = ? WHERE node_id = ?",
-                (num_tokens, int(verified), now, node.node_id),
+                "clean_groups = clean_groups + ?, last_seen_ms = ?, standing = CASE WHEN standing = 'probation' "
+                "AND clean_groups + ? >= ? THEN 'trusted' ELSE standing END WHERE node_id = ?",
+                (num_tokens, int(verified), now, int(verified), probation_groups, node.node_id),
             )
-            conn.execute("UPDATE nodes SET standing = 'trusted' WHERE node_id = ? AND standing = 'probation' "
-                         "AND clean_groups >= ?", (node.node_id, probation_groups))
             return gid
 
         return op
@@ -500,6 +502,12 @@ class CoordinatorService:
     def close(self) -> None:
         self._verify_pool.shutdown(wait=False, cancel_futures=True)
         self._reward_pool.shutdown(wait=False, cancel_futures=True)
+
+
+def random_seeds(n: int) -> list[int]:
+    """``n`` independent uniform 64-bit sampling seeds from the OS CSPRNG (one read for all)."""
+    raw = secrets.token_bytes(8 * n)
+    return [int.from_bytes(raw[i:i + 8], "little") for i in range(0, 8 * n, 8)]
 
 
 def encode_prompt(tokenizer, text: str) -> list[int]:
