@@ -116,16 +116,24 @@ def _open_db(args) -> st.Database:
     return st.Database(resolve_path(base, cfg.database))
 
 
-def cmd_status(args) -> int:
+def _query(args, *ops):
+    """Run read ops on DIR's database; ``None`` (after saying why) when DIR is not a coordinator directory."""
     try:
         db = _open_db(args)
     except (FileNotFoundError, ConfigError) as exc:
         print(exc, file=sys.stderr)
-        return 2
+        return None
     try:
-        summary = db.run_sync(st.status_summary)
+        return [db.run_sync(op) for op in ops]
     finally:
         db.close()
+
+
+def cmd_status(args) -> int:
+    got = _query(args, st.status_summary)
+    if got is None:
+        return 2
+    summary = got[0]
     if args.json:
         print(json.dumps(summary))
     else:
@@ -135,16 +143,10 @@ def cmd_status(args) -> int:
 
 
 def cmd_nodes(args) -> int:
-    try:
-        db = _open_db(args)
-    except (FileNotFoundError, ConfigError) as exc:
-        print(exc, file=sys.stderr)
+    got = _query(args, st.list_nodes, st.rejections_by_node)
+    if got is None:
         return 2
-    try:
-        nodes = db.run_sync(st.list_nodes)
-        by_node = db.run_sync(st.rejections_by_node)
-    finally:
-        db.close()
+    nodes, by_node = got
     for n in nodes:
         n["rejections"] = by_node.get(n["node_id"], {})
     if args.json:
