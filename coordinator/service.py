@@ -326,37 +326,65 @@ class CoordinatorService:
         now = self.clock()
         sub = Submission.from_proto(req)
         digest = content_hash(sub)
-        audit = self.verifier is not None and self._should_audit(node)
-        # One trip to the reader loads the lease and prompt and runs the pure checks and, for a group
-        # that is not verified first, the reward; the single writer then only records the verdict.
-        # (Doing it all in one writer op saves a hop but, measured, makes the serialized writer the
-        # bottleneck sooner.)
-        lease, prompt, prior, rejection, rewards = await self.db.run_read(
-            lambda conn: self._precheck(conn, node, sub, digest, now, score=not audit))
+        packed = sample_blobs(sub)  # here, so the serialized writer only writes
+        if self.verifier is not None and self._should_audit(node):
+            return await self._submit_verified(node, sub, digest, packed, now)
+        # Not verified: the verdict and the rewards need nothing but the lease and its prompt, so the
+        # whole intake (load, checks, reward, then accept, or spend the lease and count the refusal)
+        # is one writer op: one trip, committed before the node is answered.
+        lease, prior, rejection, rewards, group_id = await self.db.run(
+            lambda conn: self._intake_op(conn, node, sub, digest, packed, now))
         if prior is not None:
             return await self._accepted_response(prior)
-        trusted: list[np.ndarray] | None = None
-        if rejection is None and audit:
+        return await self._answer(node, sub, lease, rejection, rewards, group_id)
+
+    def _intake_op(self, conn: sqlite3.Connection, node: NodeInfo, sub: Submission, digest: str, packed: list,
+                   now: int) -> tuple:
+        """The unverified intake as one store op: (lease, prior group if a retry, rejection, rewards, group id)."""
+        lease, prompt, prior, rejection, rewards = self._precheck(conn, node, sub, digest, now, score=True)
+        if prior is not None:
+            return lease, prior, None, None, None
+        if rejection is not None:
+            self._reject_op(node, lease, rejection)(conn)
+            return lease, None, rejection, None, None
+        return lease, None, None, rewards, self._accept_op(node, lease, prompt, sub, digest, rewards, packed, False, now)(conn)
+
+    async def _submit_verified(self, node: NodeInfo, sub: Submission, digest: str, packed: list,
+                               now: int) -> pb.SubmitGroupResponse:
+        """Intake with the verification stages, which run between the checks and the accept, off the store."""
+        lease, prompt, prior, rejection, _ = await self.db.run_read(
+            lambda conn: self._precheck(conn, node, sub, digest, now, score=False))
+        if prior is not None:
+            return await self._accepted_response(prior)
+        rewards = group_id = None
+        if rejection is None:
             prompt_ids = st.unpack_i32(prompt["prompt_ids"]).tolist()
             result: VerificationResult = await asyncio.get_running_loop().run_in_executor(
                 self._verify_pool, self.verifier.verify_group, lease, prompt_ids, sub)
             self.metrics.verify_latency.observe(result.seconds)
-            rejection, trusted = result.rejection, result.trusted_logprobs
+            rejection = result.rejection
         if rejection is not None:
             await self.db.run(self._reject_op(node, lease, rejection))
+        else:
+            if result.trusted_logprobs is not None:
+                packed = [(tok, lp, st.pack_f32(t)) for (tok, lp, _), t in zip(packed, result.trusted_logprobs, strict=True)]
+            rewards = await asyncio.get_running_loop().run_in_executor(self._reward_pool, self._score, prompt, sub)
+            group_id = await self.db.run(self._accept_op(node, lease, prompt, sub, digest, rewards, packed, True, now))
+        return await self._answer(node, sub, lease, rejection, rewards, group_id)
+
+    async def _answer(self, node: NodeInfo, sub: Submission, lease: LeaseRecord | None, rejection: Rejection | None,
+                      rewards: list[float] | None, group_id: int | None) -> pb.SubmitGroupResponse:
+        """Metrics and the node's answer once the verdict is committed; a rejection is raised as a :class:`Refusal`."""
+        if rejection is None and group_id is None:
+            # Another submission of this lease was accepted between the check and the write: counted
+            # here, as the edge leaves SubmitGroup's lease reasons to the intake.
+            rejection = Rejection(Reason.LEASE_USED, "the lease was submitted concurrently")
+            await self.db.run(self._refusal_op(node.node_id, rejection.reason, rejection.detail, lease.lease_id))
+        if rejection is not None:
             self.metrics.rejections.inc(reason=rejection.reason.value)
             if rejection.reason.strike:
                 await self._refresh_nodes(force=True)
             raise Refusal(rejection.reason, rejection.detail)
-        if rewards is None:
-            rewards = await asyncio.get_running_loop().run_in_executor(self._reward_pool, self._score, prompt, sub)
-        group_id = await self.db.run(self._accept_op(node, lease, prompt, sub, digest, rewards, trusted, audit, now))
-        if group_id is None:
-            # Another submission of this lease was accepted between the check and the write: counted
-            # here, as the edge leaves SubmitGroup's lease reasons to the intake.
-            detail = "the lease was submitted concurrently"
-            await self.count_refusal(node.node_id, Reason.LEASE_USED, detail, lease.lease_id)
-            raise Refusal(Reason.LEASE_USED, detail)
         self.metrics.accepted_groups.inc()
         self.metrics.accepted_tokens.inc(sub.num_tokens)
         return pb.SubmitGroupResponse(accepted=True, rewards=rewards, credited_tokens=sub.num_tokens, group_id=str(group_id))
@@ -438,15 +466,11 @@ class CoordinatorService:
         return op
 
     def _accept_op(self, node, lease: LeaseRecord, prompt: dict, sub: Submission, digest: str, rewards: list[float],
-                   trusted, verified: bool, now: int) -> Callable[[sqlite3.Connection], int | None]:
+                   packed: list, verified: bool, now: int) -> Callable[[sqlite3.Connection], int | None]:
         """Store the group and credit the node; the op returns the group id, or None if the lease is no longer open."""
         probation_groups = self.cfg.intake.probation_groups
         num_tokens = sub.num_tokens
         mean_reward = float(np.mean(rewards))
-        # Packed here, on the caller's side, so the serialized writer only writes.
-        rows = [(i, st.pack_i32(s.token_ids), st.pack_f32(s.logprobs),
-                 st.pack_f32(trusted[i]) if trusted is not None else None, rewards[i], s.finish_reason)
-                for i, s in enumerate(sub.samples)]
 
         def op(conn):
             n = conn.execute("UPDATE leases SET state = 'submitted' WHERE lease_id = ? AND state = 'open'",
@@ -462,7 +486,9 @@ class CoordinatorService:
             gid = int(cur.lastrowid)
             conn.executemany(
                 "INSERT INTO samples(group_id, idx, token_ids, logprobs, trusted_logprobs, reward, finish_reason) "
-                "VALUES(?, ?, ?, ?, ?, ?, ?)", [(gid, *row) for row in rows])
+                "VALUES(?, ?, ?, ?, ?, ?, ?)",
+                [(gid, i, tok, lp, trusted, rewards[i], s.finish_reason)
+                 for i, ((tok, lp, trusted), s) in enumerate(zip(packed, sub.samples, strict=True))])
             conn.execute("UPDATE prompts SET state = 'done' WHERE prompt_id = ?", (lease.prompt_id,))
             # SET expressions see the row before the update: clean_groups + ? is the new count.
             conn.execute(
@@ -502,6 +528,11 @@ class CoordinatorService:
     def close(self) -> None:
         self._verify_pool.shutdown(wait=False, cancel_futures=True)
         self._reward_pool.shutdown(wait=False, cancel_futures=True)
+
+
+def sample_blobs(sub: Submission) -> list[tuple[bytes, bytes, bytes | None]]:
+    """Each sample's (token ids, log-probs, trusted log-probs) as stored; the last is filled by verification."""
+    return [(st.pack_i32(s.token_ids), st.pack_f32(s.logprobs), None) for s in sub.samples]
 
 
 def random_seeds(n: int) -> list[int]:
