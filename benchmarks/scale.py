@@ -173,7 +173,10 @@ async def run_nodes(spec: dict) -> dict:
                 await call(rec, "SubmitGroup", stub.call_raw("SubmitGroup", body))
         finally:
             if beat is not None:
+                # Cancel the heartbeat task itself first: closing the channel under an in-flight call
+                # would end it as a CANCELLED call and count our own shutdown as an error.
                 beat.cancel()
+                await asyncio.gather(beat, return_exceptions=True)
             await channel.close()
 
     tasks = [asyncio.create_task(node(i)) for i in range(n)]
