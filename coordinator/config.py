@@ -47,6 +47,8 @@ class IntakeConfig(_Section):
     verify: bool = Field(True, description="run the TOPLOC, sampling and log-prob checks (off only for load tests)")
     logprob_tolerance: float = Field(0.05, gt=0, description="max |node - trusted| log-prob per token")
     max_proof_bytes_per_token: int = Field(16, description="proof size bound per generated token (plus a fixed header)")
+    accepted_dtypes: list[str] = Field(["float32", "bfloat16"], description="precisions nodes may generate in (they declare "
+                                       "it; the verifier allows that precision's numerical noise): float32, bfloat16, float16")
 
 
 class EnvironmentConfig(_Section):

@@ -70,6 +70,7 @@ class Submission:
     lease_id: str
     policy_version: int
     samples: list[SubmittedSample]
+    compute_dtype: str = "float32"
 
     @classmethod
     def from_proto(cls, req) -> Submission:
@@ -84,7 +85,7 @@ class Submission:
             else:
                 lp = np.frombuffer(raw, dtype="<f4")
             samples.append(SubmittedSample(np.asarray(s.token_ids, dtype=np.int64), lp, bytes(s.proof), s.finish_reason))
-        return cls(req.lease_id, int(req.policy_version), samples)
+        return cls(req.lease_id, int(req.policy_version), samples, req.compute_dtype or "float32")
 
     @property
     def num_tokens(self) -> int:
@@ -101,6 +102,8 @@ def content_hash(sub: Submission) -> str:
         h.update(np.asarray(s.logprobs, dtype="<f4").tobytes())
         h.update(hashlib.sha256(s.proof).digest())
         h.update(s.finish_reason.encode())
+    if sub.compute_dtype != "float32":  # (absent before nodes declared it: old digests stay valid)
+        h.update(sub.compute_dtype.encode())
     return h.hexdigest()
 
 
@@ -177,6 +180,24 @@ def check_staleness(sub: Submission, current_version: int, s_max: int) -> Reject
     if current_version - sub.policy_version > s_max:
         return Rejection(Reason.STALE_VERSION,
                          f"version {sub.policy_version} is {current_version - sub.policy_version} behind {current_version} (s_max {s_max})")
+    return None
+
+
+KNOWN_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def check_dtype(sub: Submission, accepted: list[str] | tuple[str, ...]) -> Rejection | None:
+    """The precision the node generated in is one this coordinator verifies (``intake.accepted_dtypes``).
+
+    The claim selects the verifier's tolerances, so it is bounded to known names; claiming a coarser
+    precision than the engine used only loosens the checks to what the operator already accepts.
+    """
+    if sub.compute_dtype not in KNOWN_DTYPES:
+        return Rejection(Reason.DTYPE_NOT_ACCEPTED, f"unknown compute dtype {sub.compute_dtype[:32]!r}; "
+                                                   f"use one of {', '.join(KNOWN_DTYPES)}")
+    if sub.compute_dtype not in accepted:
+        return Rejection(Reason.DTYPE_NOT_ACCEPTED, f"groups generated in {sub.compute_dtype} are not accepted here "
+                                                   f"(accepted: {', '.join(accepted)})")
     return None
 
 

@@ -27,6 +27,7 @@ from veriroll.coordinator.intake import (
     LeaseRecord,
     Rejection,
     Submission,
+    check_dtype,
     check_lease,
     check_shape,
     check_staleness,
@@ -422,6 +423,8 @@ class CoordinatorService:
             rejection = check_shape(sub, lease, vocab_size=self.vocab_size,
                                     max_proof_bytes_per_token=self.cfg.intake.max_proof_bytes_per_token,
                                     require_proof=self.cfg.intake.verify)
+        if rejection is None:
+            rejection = check_dtype(sub, self.cfg.intake.accepted_dtypes)
         if rejection is None:
             rejection = check_staleness(sub, self.policy.version, self.cfg.intake.s_max)
         return rejection

@@ -40,7 +40,7 @@ import torch
 from veriroll.coordinator.intake import LeaseRecord, Rejection, Submission
 from veriroll.coordinator.service import VerificationResult
 from veriroll.protos.reasons import Reason
-from veriroll.toploc import verify_many
+from veriroll.toploc import thresholds_for, verify_many
 from veriroll.toploc.sampling import token_logprobs, verify_samples
 
 log = logging.getLogger("veriroll.coordinator.verifier")
@@ -116,6 +116,15 @@ def resolve_dtype(name: str | torch.dtype) -> torch.dtype:
         raise ValueError(f"unknown model dtype {name!r}; use one of {sorted(_DTYPES)}") from None
 
 
+_COARSENESS = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+
+
+def coarser_dtype(a: torch.dtype, b: torch.dtype) -> torch.dtype:
+    """The less precise of two dtypes (float32 < float16 < bfloat16): a group is judged with the noise
+    of the coarser of the node's engine and the trusted prefill."""
+    return a if _COARSENESS.get(a, 0) >= _COARSENESS.get(b, 0) else b
+
+
 def tolerances_for(dtype: torch.dtype, logprob_cap: float | None = None) -> Tolerances:
     """The calibrated tolerances for a trusted model of ``dtype``. ``logprob_cap`` (the configured
     ``intake.logprob_tolerance``) bounds the absolute log-prob allowance: float32 verification
@@ -146,47 +155,73 @@ def _forward_params(model_type: type) -> frozenset[str]:
 
 
 @torch.no_grad()
-def prefill_group(model: torch.nn.Module, prompt_ids: list[int], completions: list[list[int]]) -> TrustedGroup:
-    """One teacher-forced forward of ``prompt + completion`` for every sample of a group.
+def prefill_group(model: torch.nn.Module, prompt_ids: list[int], completions: list[list[int]], *,
+                  share_prompt: bool | None = None) -> TrustedGroup:
+    """The trusted hidden states and logits of every sample of a group, teacher-forced.
 
-    Rows are right-padded (so every real token keeps its position ``0..P+T-1`` without position ids)
-    with an attention mask. The hidden state is read where the engine reads it: the input of the LM
-    head, by a forward pre-hook, so it is the final-norm state the logits came from for any
-    architecture. Only the last ``max T + 1`` positions reach the LM head when the model supports
-    ``logits_to_keep``: all samples share the prompt, so those are exactly the positions we need.
+    All samples share the prompt, so by default (``share_prompt``: when the model takes a KV cache) the
+    prompt is run once, its cache repeated for every sample, and only the completions are run as a
+    batch: for a 60-token prompt and 16 x 64 tokens that is 1,084 positions instead of 1,984. The
+    numbers are those of a KV-cached decode, which is what the node's engine computed (cached and
+    full forwards differ by ~1e-6; the tolerances are calibrated on it). ``share_prompt=False`` runs one
+    padded forward of ``prompt + completion`` per row instead (models without a cache).
+
+    Rows are right-padded with an attention mask, so every real token keeps its position. The hidden
+    state is read where the engine reads it: the input of the LM head, by a forward pre-hook, so it is
+    the final-norm state the logits came from for any architecture.
     """
+    params = _forward_params(type(model))
+    if share_prompt is None:
+        share_prompt = "past_key_values" in params or "cache" in params
+    if share_prompt:
+        return _prefill_shared_prompt(model, prompt_ids, completions, params)
+    return _prefill_full(model, prompt_ids, completions, params)
+
+
+class _HeadInputs:
+    """Captures the LM head's input of this thread's forward passes (another thread may share the model)."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.head = model.get_output_embeddings()
+        if self.head is None:
+            raise ValueError(f"{type(model).__name__} has no output embeddings (LM head) to read hidden states from")
+        self.captured: list[torch.Tensor] = []
+        self._me = threading.get_ident()
+
+    def __enter__(self):
+        def capture(_module, args):
+            if threading.get_ident() == self._me:
+                self.captured.append(args[0])
+
+        self._hook = self.head.register_forward_pre_hook(capture)
+        return self
+
+    def __exit__(self, *exc):
+        self._hook.remove()
+
+    def pop(self) -> torch.Tensor:
+        if len(self.captured) != 1:
+            raise RuntimeError(f"expected one LM-head call per forward, saw {len(self.captured)}")
+        return self.captured.pop()
+
+
+def _prefill_full(model, prompt_ids, completions, params) -> TrustedGroup:
     device = next(model.parameters()).device
     p = len(prompt_ids)
     lengths = [len(c) for c in completions]
     t_max = max(lengths)
-    width = p + t_max
-    ids = torch.zeros(len(completions), width, dtype=torch.long)
-    mask = torch.zeros(len(completions), width, dtype=torch.long)
+    ids = torch.zeros(len(completions), p + t_max, dtype=torch.long)
+    mask = torch.zeros_like(ids)
     prompt = torch.as_tensor(prompt_ids, dtype=torch.long)
     for i, c in enumerate(completions):
         ids[i, :p] = prompt
         ids[i, p : p + len(c)] = torch.as_tensor(c, dtype=torch.long)
         mask[i, : p + len(c)] = 1
-    captured: list[torch.Tensor] = []
-    head = model.get_output_embeddings()
-    if head is None:
-        raise ValueError(f"{type(model).__name__} has no output embeddings (LM head) to read hidden states from")
-    me = threading.get_ident()
-
-    def capture(_module, args):
-        # Only our own call: another thread may be running the same model at the same time.
-        if threading.get_ident() == me:
-            captured.append(args[0])
-
-    hook = head.register_forward_pre_hook(capture)
-    kwargs = {"logits_to_keep": t_max + 1} if "logits_to_keep" in _forward_params(type(model)) else {}
-    try:
+    # Only the last t_max + 1 positions need the LM head: all samples share the prompt.
+    kwargs = {"logits_to_keep": t_max + 1} if "logits_to_keep" in params else {}
+    with _HeadInputs(model) as heads:
         out = model(input_ids=ids.to(device), attention_mask=mask.to(device), use_cache=False, **kwargs)
-    finally:
-        hook.remove()
-    if len(captured) != 1:
-        raise RuntimeError(f"expected one LM-head call per forward, saw {len(captured)}")
-    hidden, logits = captured[0], out.logits
+        hidden, logits = heads.pop(), out.logits
     # Both now span the last `keep` positions of the padded rows; position P - 1 sits at `keep - t_max - 1`.
     start = hidden.shape[1] - t_max - 1
     if logits.shape[1] != hidden.shape[1] or start < 0:
@@ -197,8 +232,42 @@ def prefill_group(model: torch.nn.Module, prompt_ids: list[int], completions: li
     )
 
 
+def _prefill_shared_prompt(model, prompt_ids, completions, params) -> TrustedGroup:
+    device = next(model.parameters()).device
+    p, n = len(prompt_ids), len(completions)
+    lengths = [len(c) for c in completions]
+    t_max = max(lengths)
+    keep = {"logits_to_keep": 1} if "logits_to_keep" in params else {}
+    cache_arg = "cache" if "cache" in params else "past_key_values"
+    with _HeadInputs(model) as heads:
+        out = model(input_ids=torch.as_tensor([prompt_ids], dtype=torch.long, device=device), use_cache=True, **keep)
+        first_hidden, first_logits = heads.pop()[:, -1], out.logits[:, -1]  # they predict every sample's token 0
+        if t_max == 1:
+            return TrustedGroup(hidden=[first_hidden.cpu()] * n, logits=[first_logits.cpu()] * n)
+        cache = getattr(out, "cache", None) or out.past_key_values
+        cache.batch_repeat_interleave(n)
+        # Tokens 0..t_max-2 of each completion (the last token predicts nothing we check), right-padded.
+        ids = torch.zeros(n, t_max - 1, dtype=torch.long)
+        mask = torch.zeros(n, p + t_max - 1, dtype=torch.long)
+        mask[:, :p] = 1
+        for i, c in enumerate(completions):
+            ids[i, : len(c) - 1] = torch.as_tensor(c[:-1], dtype=torch.long)
+            mask[i, p : p + len(c) - 1] = 1
+        positions = torch.arange(p, p + t_max - 1, dtype=torch.long).expand(n, -1)
+        out = model(input_ids=ids.to(device), attention_mask=mask.to(device), position_ids=positions.to(device),
+                    use_cache=True, **{cache_arg: cache})
+        hidden, logits = heads.pop(), out.logits
+    if logits.shape[:2] != (n, t_max - 1) or hidden.shape[:2] != (n, t_max - 1):
+        raise RuntimeError(f"LM head saw {tuple(hidden.shape)}, logits are {tuple(logits.shape)}")
+    first_hidden, first_logits = first_hidden.cpu(), first_logits.cpu()
+    return TrustedGroup(
+        hidden=[torch.cat([first_hidden, hidden[i, : t - 1].cpu()]) for i, t in enumerate(lengths)],
+        logits=[torch.cat([first_logits, logits[i, : t - 1].cpu()]) for i, t in enumerate(lengths)],
+    )
+
+
 def judge_group(
-    lease: LeaseRecord, sub: Submission, trusted: TrustedGroup, tol: Tolerances
+    lease: LeaseRecord, sub: Submission, trusted: TrustedGroup, tol: Tolerances, thresholds=None
 ) -> tuple[Rejection | None, list[np.ndarray] | None]:
     """TOPLOC → sampling → log-probs for a whole group against its trusted prefill.
 
@@ -208,7 +277,8 @@ def judge_group(
     samples = sub.samples
     lengths = [len(s.token_ids) for s in samples]
 
-    verdicts = verify_many([s.proof for s in samples], trusted.hidden, chunk_size=CHUNK_SIZE, topk=TOPK)
+    verdicts = verify_many([s.proof for s in samples], trusted.hidden, chunk_size=CHUNK_SIZE, topk=TOPK,
+                           thresholds=thresholds)
     for i, v in enumerate(verdicts):
         if not v.ok:
             # The trusted model's own states being non-finite is our problem, not the node's.
@@ -390,4 +460,8 @@ class TrustedVerifier:
         if bad is not None:
             return bad, None
         trusted = prefill_group(model, [int(t) for t in prompt_ids], [[int(t) for t in s.token_ids] for s in sub.samples])
-        return judge_group(lease, sub, trusted, self.tolerances)
+        # The node declares its precision (intake checked it is accepted): judge with the noise of the
+        # coarser of its engine and ours. A bf16 node under an fp32 verifier gets bf16 slack, nothing more.
+        effective = coarser_dtype(self.dtype, resolve_dtype(sub.compute_dtype or "float32"))
+        tol = self.tolerances if effective == self.dtype else tolerances_for(effective, self.cfg.intake.logprob_tolerance)
+        return judge_group(lease, sub, trusted, tol, thresholds_for(effective))

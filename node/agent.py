@@ -26,6 +26,14 @@ from veriroll.protos.identity import PrivateKey
 from veriroll.protos.service import CallError, SignedStub
 from veriroll.protos.v1 import coordinator_pb2 as pb
 
+_DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16", "float": "float32"}
+
+
+def dtype_name(dtype) -> str:
+    """The wire name of an engine's compute dtype (``torch.bfloat16`` / ``'bf16'`` → ``'bfloat16'``)."""
+    name = str(dtype).lower().removeprefix("torch.")
+    return _DTYPE_NAMES.get(name, name)
+
 log = logging.getLogger("veriroll.node")
 
 VERSION = "0.1.0"
@@ -272,7 +280,8 @@ class NodeAgent:
             t0 = time.perf_counter()
             results = (await asyncio.to_thread(engine.generate, [request]))[0]
             gen_s = time.perf_counter() - t0
-            req = pb.SubmitGroupRequest(lease_id=lease.lease_id, policy_version=lease.policy_version, samples=[
+            req = pb.SubmitGroupRequest(lease_id=lease.lease_id, policy_version=lease.policy_version,
+                                        compute_dtype=dtype_name(getattr(engine, "dtype", "float32")), samples=[
                 pb.Sample(token_ids=r.token_ids, logprobs=np.asarray(r.logprobs, dtype="<f4").tobytes(),
                           proof=r.proof, finish_reason=r.finish_reason) for r in results])
             tokens = sum(len(r.token_ids) for r in results)

@@ -39,6 +39,7 @@ class Reason(str, enum.Enum):
     BAD_LOGPROBS = "bad_logprobs"
     PROOF_TOO_LARGE = "proof_too_large"
     BAD_FINISH = "bad_finish"
+    DTYPE_NOT_ACCEPTED = "dtype_not_accepted"
     # staleness
     STALE_VERSION = "stale_version"
     # verification (TOPLOC issue)
@@ -85,6 +86,7 @@ _CODES = {
     Reason.BAD_LOGPROBS: _C.INVALID_ARGUMENT,
     Reason.PROOF_TOO_LARGE: _C.INVALID_ARGUMENT,
     Reason.BAD_FINISH: _C.INVALID_ARGUMENT,
+    Reason.DTYPE_NOT_ACCEPTED: _C.FAILED_PRECONDITION,
     Reason.STALE_VERSION: _C.FAILED_PRECONDITION,
     Reason.TOPLOC_FAILED: _C.PERMISSION_DENIED,
     Reason.SAMPLING_FAILED: _C.PERMISSION_DENIED,
@@ -130,6 +132,7 @@ _MESSAGES = {
     Reason.BAD_LOGPROBS: "log-probs must be finite, <= 0 and one per token",
     Reason.PROOF_TOO_LARGE: "a proof is larger than its token count allows",
     Reason.BAD_FINISH: "finish reason does not match the tokens (stop token or max length)",
+    Reason.DTYPE_NOT_ACCEPTED: "this coordinator does not verify groups generated in that precision; set the node's dtype",
     Reason.STALE_VERSION: "the policy version is too old; fetch the newest weights",
     Reason.TOPLOC_FAILED: "the activation commitment does not match the trusted model",
     Reason.SAMPLING_FAILED: "the tokens are not the seeded draw from the trusted logits",

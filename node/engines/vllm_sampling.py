@@ -187,7 +187,7 @@ def fused_draw() -> Draw:
     way; the compiled float steps (``log``, the division by T) may differ from eager by an ulp,
     which can only change a draw at an exact tie, far inside the verifier's near-tie slack.
     """
-    return torch.compile(sampling.sample, dynamic=True)
+    return torch.compile(sampling.sample_dense, dynamic=True)
 
 
 def seeded_tokens(

@@ -136,14 +136,16 @@ class Sample(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[bytes] = ..., proof: _Optional[bytes] = ..., finish_reason: _Optional[str] = ...) -> None: ...
 
 class SubmitGroupRequest(_message.Message):
-    __slots__ = ("lease_id", "policy_version", "samples")
+    __slots__ = ("lease_id", "policy_version", "samples", "compute_dtype")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
     SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_DTYPE_FIELD_NUMBER: _ClassVar[int]
     lease_id: str
     policy_version: int
     samples: _containers.RepeatedCompositeFieldContainer[Sample]
-    def __init__(self, lease_id: _Optional[str] = ..., policy_version: _Optional[int] = ..., samples: _Optional[_Iterable[_Union[Sample, _Mapping]]] = ...) -> None: ...
+    compute_dtype: str
+    def __init__(self, lease_id: _Optional[str] = ..., policy_version: _Optional[int] = ..., samples: _Optional[_Iterable[_Union[Sample, _Mapping]]] = ..., compute_dtype: _Optional[str] = ...) -> None: ...
 
 class SubmitGroupResponse(_message.Message):
     __slots__ = ("accepted", "rewards", "credited_tokens", "group_id")

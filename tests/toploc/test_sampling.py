@@ -84,3 +84,71 @@ def test_malformed_inputs_give_a_verdict_not_an_exception():
     logits = torch.randn(4, 10)
     assert sampling.verify_samples(logits, [1, 2], 1.0, 0, [0, 1]).reason == "shape_mismatch"
     assert sampling.verify_samples(logits, [1, 2, 3, 99], 1.0, 0, [0, 1, 2, 3]).reason == "token_out_of_range"
+
+
+# --- the sparse draw: same tokens as hashing the whole vocabulary, bit for bit ----------------------
+
+
+def _dense_winner_and_margin(logits, tokens, temperature, seeds, positions):
+    z = sampling.perturbed_logits(logits, temperature, seeds, positions)
+    replay = z.argmax(dim=-1)
+    margin = (z.gather(-1, replay[:, None]) - z.gather(-1, tokens[:, None])).squeeze(-1) * temperature
+    return replay, margin
+
+
+def test_gumbel_max_bounds_every_noise_value():
+    noise = sampling.gumbel_noise(list(range(64)), torch.arange(64), 4096)
+    assert float(noise.max()) <= sampling.GUMBEL_MAX
+    assert 17.0 < sampling.GUMBEL_MAX < 17.5  # -log(-log(1 - 2**-25))
+
+
+def test_sparse_draw_equals_dense_draw_on_many_shapes_of_logits():
+    gen = torch.Generator().manual_seed(0)
+    cases = {
+        "peaked": torch.randn(64, 5000, generator=gen) * 4,
+        "flat": torch.randn(64, 5000, generator=gen) * 0.01,  # every token is a candidate
+        "uniform": torch.zeros(16, 3000),  # all tokens tie before noise
+        "one_hot": torch.full((16, 3000), -30.0).index_fill_(1, torch.tensor([7]), 30.0),
+        "masked": torch.randn(16, 3000, generator=gen).masked_fill(torch.rand(16, 3000, generator=gen) < 0.9, -math.inf),
+        "bf16": (torch.randn(32, 4000, generator=gen) * 8).bfloat16(),
+    }
+    for name, logits in cases.items():
+        for temperature in (0.3, 1.0, 1.7):
+            seeds = torch.randint(0, 2**62, (logits.shape[0],), generator=gen)
+            positions = torch.randint(0, 4096, (logits.shape[0],), generator=gen)
+            dense = sampling.sample_dense(logits, temperature, seeds, positions)
+            sparse = sampling.sample_sparse(logits, temperature, seeds, positions)
+            assert torch.equal(dense, sparse), (name, temperature)
+
+
+def test_sparse_draw_hashes_a_small_part_of_a_peaked_vocabulary():
+    gen = torch.Generator().manual_seed(1)
+    logits = torch.randn(32, 50_000, generator=gen) * 8  # LM-like spread: the top sits ~34 above the median
+    keys = sampling._row_keys(list(range(32)), torch.zeros(32, dtype=torch.long))
+    won = sampling.race(logits, 1.0, keys)
+    assert torch.equal(won.winner, sampling.sample_dense(logits, 1.0, list(range(32)), torch.zeros(32, dtype=torch.long)))
+    assert won.hashed < 0.1 * logits.numel()
+
+
+def test_sparse_draw_is_exact_under_a_tiny_chunk_budget():
+    gen = torch.Generator().manual_seed(2)
+    logits = torch.randn(40, 2000, generator=gen)
+    keys = sampling._row_keys(list(range(40)), torch.arange(40))
+    chunked = sampling.race(logits, 1.0, keys, chunk_pairs=100)
+    assert torch.equal(chunked.winner, sampling.race(logits, 1.0, keys).winner)
+    assert torch.equal(chunked.winner, sampling.perturbed_logits(logits, 1.0, list(range(40)), torch.arange(40)).argmax(-1))
+
+
+def test_replay_margins_equal_the_dense_computation():
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(50, 3000, generator=gen) * 3
+    seeds, pos = torch.randint(0, 2**62, (50,), generator=gen), torch.arange(50)
+    honest = sampling.sample_dense(logits, 0.9, seeds, pos)
+    forged = honest.clone()
+    forged[::3] = torch.randint(0, 3000, (17,), generator=gen)  # some far-off tokens, some near ties
+    for tokens in (honest, forged):
+        _, margin = _dense_winner_and_margin(logits, tokens, 0.9, seeds, pos)
+        verdict = sampling.verify_samples(logits, tokens, 0.9, seeds, pos, margin_tolerance=1e-3)
+        assert abs(verdict.max_margin - float(margin.max())) <= 1e-4 * max(1.0, float(margin.max()))
+        bad = tuple(int(i) for i in torch.nonzero(margin > 1e-3).flatten())
+        assert verdict.mismatched_positions == bad if bad else verdict.ok
