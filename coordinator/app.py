@@ -103,7 +103,7 @@ async def start_coordinator(base_dir: str | Path, *, overrides=(), cfg: Coordina
     policy = PolicyState(version=int(version), relays=list(cfg.shardcast.relays))
     service = CoordinatorService(
         cfg, db, environment=env, tokenizer=policy_store.tokenizer, vocab_size=policy_store.vocab_size,
-        stop_token_ids=policy_store.stop_token_ids, coordinator_key=key.public, policy=policy,
+        stop_token_ids=cfg.leases.stop_token_ids or policy_store.stop_token_ids, coordinator_key=key.public, policy=policy,
         verifier=build_verifier(cfg, policy_store), metrics=metrics,
     )
     coord = Coordinator(base, cfg, db, service, policy_store)

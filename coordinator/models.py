@@ -342,3 +342,49 @@ def cached_builtin_model(name: str = "smollm2-135m-instruct") -> Path:
         model.config._name_or_path = BUILTIN_MODELS[name].name
         save_pretrained_checkpoint(model, tokenizer, out)
     return out
+
+
+def create_model_checkpoint(spec: str, out_dir: str | os.PathLike, *, dtype: str = "float32",
+                            dtype_pinned: bool = False) -> dict:
+    """Version 0 from a model spec, unchanged: loaded, cast to ``dtype``, saved as an HF directory at
+    ``out_dir`` (atomically). Returns a summary (source, dtype, parameters, stop tokens, chat template).
+
+    Everything that can be refused is refused before anything is written.
+    """
+    source = resolve_model(spec)
+    torch_dtype = resolve_dtype_for_device(dtype, pinned=dtype_pinned)
+    tokenizer = load_tokenizer(source)
+    model = load_model(source, torch_dtype)
+    config = model.config.to_dict()
+    generation = model.generation_config.to_dict() if getattr(model, "generation_config", None) else {}
+    facts = tokenizer_facts(tokenizer, config, generation)
+    if not facts.stop_token_ids:
+        raise ModelLoadError(f"model {spec!r} names no end-of-sequence token (config, generation_config and "
+                             "tokenizer have none): samples could never stop; set eos_token_id in its config")
+    if source.name and not str(config.get("_name_or_path") or "").strip("."):
+        model.config._name_or_path = source.name
+    save_pretrained_checkpoint(model, tokenizer, out_dir)
+    return {
+        "model": spec,
+        "model_name": source.name,
+        "dtype": str(torch_dtype).removeprefix("torch."),
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "architecture": type(model).__name__,
+        "vocab_size": facts.vocab_size,
+        "stop_token_ids": facts.stop_token_ids,
+        "chat_template": facts.has_chat_template,
+        "max_positions": facts.max_positions,
+    }
+
+
+def generation_defaults(checkpoint_dir: str | os.PathLike) -> dict:
+    """Lease settings a model's own files suggest (``generation_config.json``): temperature and the
+    completion budget, as coordinator config overrides. Explicit settings win over these."""
+    path = Path(checkpoint_dir) / "generation_config.json"
+    gen = json.loads(path.read_text()) if path.exists() else {}
+    out: dict = {}
+    if gen.get("do_sample") and gen.get("temperature"):
+        out["leases.temperature"] = float(gen["temperature"])
+    if gen.get("max_new_tokens"):
+        out["leases.max_new_tokens"] = int(gen["max_new_tokens"])
+    return out

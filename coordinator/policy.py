@@ -67,10 +67,15 @@ class PolicyStore:
     def vocab_size(self) -> int:
         return int(self.model_config["vocab_size"])
 
+    @cached_property
+    def generation_config(self) -> dict:
+        path = self.version_dir(self.available()[0]) / "generation_config.json"
+        return json.loads(path.read_text()) if path.exists() else {}
+
     @property
     def stop_token_ids(self) -> list[int]:
-        eos = self.model_config.get("eos_token_id")
-        if eos is None:
-            eos = self.tokenizer.eos_token_id
-        ids = eos if isinstance(eos, list) else [eos]
-        return [int(i) for i in ids if i is not None]
+        """The model's own stop tokens: EOS (config, generation config, tokenizer) and the chat template's
+        end-of-turn token; ``leases.stop_token_ids`` overrides them."""
+        from veriroll.coordinator.models import tokenizer_facts
+
+        return tokenizer_facts(self.tokenizer, self.model_config, self.generation_config).stop_token_ids
