@@ -11,7 +11,12 @@ import torch
 from support import build_tiny_checkpoint
 
 from veriroll.cli.main import main
-from veriroll.coordinator.models import ModelLoadError, resolve_dtype_for_device, resolve_model, tokenizer_facts
+from veriroll.coordinator.models import (
+    ModelLoadError,
+    resolve_dtype_for_device,
+    resolve_model,
+    tokenizer_facts,
+)
 from veriroll.coordinator.policy import PolicyStore
 
 
