@@ -352,6 +352,10 @@ def create_model_checkpoint(spec: str, out_dir: str | os.PathLike, *, dtype: str
     Everything that can be refused is refused before anything is written.
     """
     source = resolve_model(spec)
+    if source.gguf_file and spec.startswith("builtin:"):
+        # Dequantized once per machine into the cache; every later init copies that directory.
+        cached = cached_builtin_model(spec.removeprefix("builtin:"))
+        source = ModelSource(spec, cached, name=source.name)
     torch_dtype = resolve_dtype_for_device(dtype, pinned=dtype_pinned)
     tokenizer = load_tokenizer(source)
     model = load_model(source, torch_dtype)
