@@ -465,7 +465,7 @@ def rl_section(model_dir: Path, steps: int, prompts_per_step: int, n: int, max_n
         batch, _ = build_batch(groups, [0] * len(groups), pad_id=2)
         mean = float(np.mean([s.reward for g in groups for s in g.samples]))
         if batch is not None:
-            m = train_step(model, optimizer, batch, cfg, 2)
+            train_step(model, optimizer, batch, cfg, 2)
             model.eval()
         history.append(round(mean, 4))
         log(f"RL step {step + 1}/{steps}: train reward {mean:.3f}" + ("" if batch is not None else " (no signal)"))
