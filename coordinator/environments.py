@@ -38,12 +38,18 @@ __all__ = [
 
 @dataclass
 class Prompt:
-    """One task instance: the text the policy continues, and what a right answer looks like."""
+    """One task instance: what the policy is asked, and what a right answer looks like.
+
+    ``text`` is the prompt as plain text (what a base model continues, and what displays show);
+    ``messages`` the same task as chat turns (``{"role", "content"}`` dicts) for a model with a chat
+    template. Empty ``messages`` means one user turn with ``text``.
+    """
 
     text: str
     answer: str
     env: str
     meta: dict = field(default_factory=dict)
+    messages: list[dict] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -213,8 +219,17 @@ class ReverseTextEnvironment(Environment):
         return Prompt(text=f"{text}|", answer=text[::-1], env=self.name, meta={"text": text})
 
 
+def math_environment(**kwargs) -> Environment:
+    """The built-in ``math`` environment (coordinator/math_environment.py), imported only when used:
+    it pulls in ``datasets`` and ``math-verify``, which the demo environments do not need."""
+    from veriroll.coordinator.math_environment import MathEnvironment
+
+    return MathEnvironment(**kwargs)
+
+
 BUILTIN_ENVIRONMENTS: dict[str, Callable[..., Environment]] = {
     "arithmetic": ArithmeticEnvironment,
+    "math": math_environment,
     "reverse-text": ReverseTextEnvironment,
 }
 
