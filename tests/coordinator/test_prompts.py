@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import asyncio
 import random
+import re
+import shutil
 
+import numpy as np
 import pytest
-from support import build_tiny_checkpoint, make_coordinator_dir, running_coordinator
+from support import build_tiny_checkpoint, make_coordinator_dir, node_client, running_coordinator
 
 from veriroll.coordinator.environments import Prompt, load_environment
 from veriroll.coordinator.prompts import PromptRenderer, PromptRenderError, prompt_messages
+from veriroll.protos.v1 import coordinator_pb2 as pb
 
 
 @pytest.fixture(scope="module")
@@ -103,3 +107,41 @@ def test_coordinator_refuses_to_start_with_always_and_a_base_tokenizer(tmp_path)
 
     with pytest.raises(PromptRenderError, match="checkpoints/versions/v000000"):
         asyncio.run(start())
+
+
+def test_a_real_instruct_model_gets_chat_prompts_and_math_rewards_end_to_end(tmp_path, smollm2_dir):
+    """SmolLM2 as version 0, the math environment: the lease carries the chat-rendered word problem and
+    <|im_end|> as a stop token, and the coordinator scores a boxed answer with math-verify."""
+    base = make_coordinator_dir(tmp_path, {"environment.name": "math", "environment.kwargs": {"difficulty": 2},
+                                           "environment.system_prompt": "You are a careful tutor.",
+                                           "leases.max_new_tokens": 32})
+    version0 = base / "checkpoints" / "versions" / "v000000"
+    shutil.rmtree(version0)
+    version0.symlink_to(smollm2_dir, target_is_directory=True)  # only the tokenizer and config are read
+
+    async def scenario():
+        async with running_coordinator(base) as coord, node_client(coord) as stub:
+            tok = coord.service.tokenizer
+            end_of_turn = tok.convert_tokens_to_ids("<|im_end|>")
+            lease = (await stub.lease_work(pb.LeaseRequest(max_leases=1, loaded_version=-1))).leases[0]
+            text = tok.decode(list(lease.prompt_ids))
+            assert text.startswith("<|im_start|>system\nYou are a careful tutor.<|im_end|>\n<|im_start|>user\n")
+            assert text.endswith("Put the final answer in \\boxed{}.<|im_end|>\n<|im_start|>assistant\n")
+            assert end_of_turn in lease.stop_token_ids
+            question = text.split("<|im_start|>user\n")[1].split("\n")[0]
+            answer = coord.db.run_sync(lambda c: c.execute("SELECT answer FROM prompts").fetchone()[0])
+            assert re.search(r"How many \w+", question) and int(answer) >= 1
+
+            def sample(reply: str) -> pb.Sample:
+                ids = tok(reply, add_special_tokens=False).input_ids + [end_of_turn]
+                return pb.Sample(token_ids=ids, logprobs=np.full(len(ids), -1.0, dtype="<f4").tobytes(),
+                                 proof=b"p", finish_reason="stop")
+
+            replies = [f"So it is \\boxed{{{answer}}}.", f"The answer is {answer}", f"\\boxed{{{int(answer) + 1}}}",
+                       "I am not sure."]
+            ok = await stub.submit_group(pb.SubmitGroupRequest(lease_id=lease.lease_id, policy_version=0,
+                                                               samples=[sample(r) for r in replies]))
+            assert ok.accepted and list(ok.rewards) == [1.0, 1.0, 0.0, 0.0]
+            assert coord.service.metrics.reward_errors.get(kind="exception") == 0
+
+    asyncio.run(scenario())
