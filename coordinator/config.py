@@ -57,6 +57,14 @@ class EnvironmentConfig(_Section):
     name: str = Field("arithmetic", description="built-in environment or module:attribute of a user's")
     kwargs: dict = Field(default_factory=dict, description="keyword arguments for the environment")
     seed: int = Field(0, description="seed of the prompt stream")
+    system_prompt: str = Field("", description="system message before every prompt (chat template) or its text "
+                                                "(plain prompts); empty: none")
+    chat_template: str = Field("auto", pattern="^(auto|always|never)$",
+                               description="render prompts with the model's chat template: 'auto' when its tokenizer "
+                                           "has one, 'always' (an error at start if it has none), 'never' (plain text)")
+    reward_timeout_s: float = Field(5.0, gt=0, description="time limit per sample for the reward functions; over it the "
+                                                           "sample gets reward 0 and a counted reward error")
+    reward_workers: int = Field(1, ge=1, description="worker processes that run the reward functions")
 
 
 class TrainerConfig(_Section):

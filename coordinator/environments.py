@@ -6,9 +6,11 @@ functions, clamped to [0, 1]:
 
     reward = clamp(Σ_i w_i · f_i(prompt, completion) / Σ_i w_i, 0, 1)
 
-Two environments are built in: ``arithmetic`` (the demo task: addition, answer checked exactly) and
-``reverse-text`` (reverse a short string, partial credit by edit distance). Anything else loads from a
-``module:attribute`` path, so an operator can bring their own task without touching veriroll.
+Built in: ``arithmetic`` (the demo task: addition, answer checked exactly), ``reverse-text`` (reverse a
+short string, partial credit by edit distance) and ``math`` (dataset files or generated word problems,
+scored by math-verify; coordinator/math_environment.py). Anything else loads from a ``module:attribute``
+path, so an operator can bring their own task without touching veriroll, or from a single-turn taskset
+of the ``verifiers`` library (``vf:TASKSET``, coordinator/verifiers_adapter.py).
 
 Completions are scored as decoded text, without special tokens: the engine stops at end-of-sequence
 and the scorer never sees it.
@@ -38,12 +40,18 @@ __all__ = [
 
 @dataclass
 class Prompt:
-    """One task instance: the text the policy continues, and what a right answer looks like."""
+    """One task instance: what the policy is asked, and what a right answer looks like.
+
+    ``text`` is the prompt as plain text (what a base model continues, and what displays show);
+    ``messages`` the same task as chat turns (``{"role", "content"}`` dicts) for a model with a chat
+    template. Empty ``messages`` means one user turn with ``text``.
+    """
 
     text: str
     answer: str
     env: str
     meta: dict = field(default_factory=dict)
+    messages: list[dict] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -213,8 +221,17 @@ class ReverseTextEnvironment(Environment):
         return Prompt(text=f"{text}|", answer=text[::-1], env=self.name, meta={"text": text})
 
 
+def math_environment(**kwargs) -> Environment:
+    """The built-in ``math`` environment (coordinator/math_environment.py), imported only when used:
+    it pulls in ``datasets`` and ``math-verify``, which the demo environments do not need."""
+    from veriroll.coordinator.math_environment import MathEnvironment
+
+    return MathEnvironment(**kwargs)
+
+
 BUILTIN_ENVIRONMENTS: dict[str, Callable[..., Environment]] = {
     "arithmetic": ArithmeticEnvironment,
+    "math": math_environment,
     "reverse-text": ReverseTextEnvironment,
 }
 
@@ -224,17 +241,23 @@ class EnvironmentLoadError(ValueError):
 
 
 def load_environment(spec: str, **kwargs) -> Environment:
-    """The environment named by ``spec``: a built-in name or a ``module:attribute`` path.
+    """The environment named by ``spec``: a built-in name, a ``module:attribute`` path, or
+    ``verifiers:TASKSET`` / ``vf:TASKSET`` (coordinator/verifiers_adapter.py).
 
     The attribute may be an :class:`Environment` instance (then ``kwargs`` must be empty), an
     Environment subclass, or a factory; classes and factories are called with ``kwargs``.
     """
     if spec in BUILTIN_ENVIRONMENTS:
         return BUILTIN_ENVIRONMENTS[spec](**kwargs)
+    if spec.startswith(("verifiers:", "vf:")):
+        from veriroll.coordinator.verifiers_adapter import load_verifiers_environment
+
+        return load_verifiers_environment(spec, **kwargs)
     if ":" not in spec:
         raise EnvironmentLoadError(
-            f"unknown environment {spec!r}: use a built-in ({', '.join(sorted(BUILTIN_ENVIRONMENTS))}) "
-            "or a 'module:attribute' path to an Environment, Environment subclass or factory"
+            f"unknown environment {spec!r}: use a built-in ({', '.join(sorted(BUILTIN_ENVIRONMENTS))}), "
+            "a 'module:attribute' path to an Environment, Environment subclass or factory, "
+            "or 'vf:TASKSET' for a single-turn taskset of the verifiers library"
         )
     module_name, _, attribute = spec.partition(":")
     try:

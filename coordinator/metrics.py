@@ -134,6 +134,9 @@ class CoordinatorMetrics:
         self.leases_issued = r.counter("veriroll_leases_issued_total", "leases handed out")
         self.leases_expired = r.counter("veriroll_leases_expired_total", "leases that expired unsubmitted")
         self.request_latency = r.histogram("veriroll_request_seconds", "server time per request", ("method",))
+        self.reward_errors = r.counter("veriroll_reward_errors_total",
+                                       "samples whose reward function failed and scored 0, by kind "
+                                       "(exception, timeout, invalid, crash)", ("kind",))
         self.verify_latency = r.histogram("veriroll_verification_seconds", "verification time per group")
         self.queue_depth = r.gauge("veriroll_queue_depth", "accepted groups waiting for the trainer")
         self.policy_version = r.gauge("veriroll_policy_version", "newest policy version")

@@ -34,6 +34,8 @@ from veriroll.coordinator.intake import (
     content_hash,
 )
 from veriroll.coordinator.metrics import CoordinatorMetrics
+from veriroll.coordinator.prompts import PromptRenderer
+from veriroll.coordinator.rewards import RewardRunner
 from veriroll.protos.envelope import SignedHeaders, verify_signature
 from veriroll.protos.identity import PublicKey
 from veriroll.protos.reasons import Reason
@@ -99,6 +101,7 @@ class CoordinatorService:
         verifier: GroupVerifier | None = None,
         metrics: CoordinatorMetrics | None = None,
         clock: Callable[[], int] = now_ms,
+        rewards: RewardRunner | None = None,
     ):
         self.cfg = cfg
         self.db = db
@@ -120,10 +123,19 @@ class CoordinatorService:
         self._rng = random.Random(cfg.environment.seed)
         self._audit_rng = random.Random()
         self.codec = TextCodec(tokenizer, [p.text for p in environment.sample_prompts(random.Random(0), 16)])
+        ec = cfg.environment
+        # Raises PromptRenderError here, at coordinator start, when chat_template='always' meets a
+        # tokenizer without a template.
+        self.renderer = PromptRenderer(tokenizer, system_prompt=ec.system_prompt, chat_template=ec.chat_template,
+                                       encode_text=self.codec.encode)
+        self.stop_token_ids = self.renderer.stop_token_ids(self.stop_token_ids)
+        self.rewards = rewards or RewardRunner(ec.name, ec.kwargs, timeout_s=ec.reward_timeout_s,
+                                               workers=ec.reward_workers)
         self._stop_ids_json = json.dumps(self.stop_token_ids)
         self._stop_ids = np.asarray(self.stop_token_ids, dtype=np.int64)
         self._verify_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="veriroll-verify")
-        self._reward_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="veriroll-reward")
+        # One thread per reward worker process: a thread only waits on its worker's pipe.
+        self._reward_pool = ThreadPoolExecutor(max_workers=ec.reward_workers, thread_name_prefix="veriroll-reward")
         self.db.run_sync(self._restore_prompt_stream)
 
     # --- door ----------------------------------------------------------------------------------
@@ -254,10 +266,12 @@ class CoordinatorService:
     def _new_prompt(self, conn: sqlite3.Connection) -> tuple[int, list[int], str]:
         """Draw the next prompt of the stream and store it as leased: its id, token ids and environment."""
         prompt = self.env.sample_prompts(self._rng, 1)[0]
-        ids = self.codec.encode(prompt.text)
+        ids = self.renderer.render(prompt)
+        # The conversation as the model saw it rides in meta, so the reward sees the whole prompt.
+        meta = {**(prompt.meta or {}), MESSAGES_META_KEY: self.renderer.messages(prompt)}
         cur = conn.execute("INSERT INTO prompts(env, text, answer, meta, prompt_ids, state, attempts) "
                            "VALUES(?, ?, ?, ?, ?, 'leased', 1)",
-                           (prompt.env, prompt.text, prompt.answer, json.dumps(prompt.meta or {}), st.pack_i32(ids)))
+                           (prompt.env, prompt.text, prompt.answer, json.dumps(meta), st.pack_i32(ids)))
         # prompts_drawn (JSON text in kv) counts the stream's draws, to resume it after a restart.
         conn.execute("INSERT INTO kv(key, value) VALUES('prompts_drawn', '1') "
                      "ON CONFLICT(key) DO UPDATE SET value = CAST(value AS INTEGER) + 1")
@@ -330,31 +344,28 @@ class CoordinatorService:
         packed = sample_blobs(sub)  # here, so the serialized writer only writes
         if self.verifier is not None and self._should_audit(node):
             return await self._submit_verified(node, sub, digest, packed, now)
-        # Not verified: the verdict and the rewards need nothing but the lease and its prompt, so the
-        # whole intake (load, checks, reward, then accept, or spend the lease and count the refusal)
-        # is one writer op: one trip, committed before the node is answered.
-        lease, prior, rejection, rewards, group_id = await self.db.run(
-            lambda conn: self._intake_op(conn, node, sub, digest, packed, now))
+        # Not verified: a reader trip for the lease, its prompt and the checks; the rewards in a
+        # reward worker (operator code with a time limit, never inside the writer, which every
+        # node's submission waits on); then one writer op to accept, or to spend the lease and count
+        # the refusal. The accept re-checks that the lease is still open, so a concurrent
+        # submission of the same lease between the read and the write is caught there.
+        lease, prompt, prior, rejection = await self.db.run_read(
+            lambda conn: self._precheck(conn, node, sub, digest, now))
         if prior is not None:
             return await self._accepted_response(prior)
-        return await self._answer(node, sub, lease, rejection, rewards, group_id)
-
-    def _intake_op(self, conn: sqlite3.Connection, node: NodeInfo, sub: Submission, digest: str, packed: list,
-                   now: int) -> tuple:
-        """The unverified intake as one store op: (lease, prior group if a retry, rejection, rewards, group id)."""
-        lease, prompt, prior, rejection, rewards = self._precheck(conn, node, sub, digest, now, score=True)
-        if prior is not None:
-            return lease, prior, None, None, None
+        rewards = group_id = None
         if rejection is not None:
-            self._reject_op(node, lease, rejection)(conn)
-            return lease, None, rejection, None, None
-        return lease, None, None, rewards, self._accept_op(node, lease, prompt, sub, digest, rewards, packed, False, now)(conn)
+            await self.db.run(self._reject_op(node, lease, rejection))
+        else:
+            rewards = await self._rewards(prompt, sub)
+            group_id = await self.db.run(self._accept_op(node, lease, prompt, sub, digest, rewards, packed, False, now))
+        return await self._answer(node, sub, lease, rejection, rewards, group_id)
 
     async def _submit_verified(self, node: NodeInfo, sub: Submission, digest: str, packed: list,
                                now: int) -> pb.SubmitGroupResponse:
         """Intake with the verification stages, which run between the checks and the accept, off the store."""
-        lease, prompt, prior, rejection, _ = await self.db.run_read(
-            lambda conn: self._precheck(conn, node, sub, digest, now, score=False))
+        lease, prompt, prior, rejection = await self.db.run_read(
+            lambda conn: self._precheck(conn, node, sub, digest, now))
         if prior is not None:
             return await self._accepted_response(prior)
         rewards = group_id = None
@@ -369,7 +380,7 @@ class CoordinatorService:
         else:
             if result.trusted_logprobs is not None:
                 packed = [(tok, lp, st.pack_f32(t)) for (tok, lp, _), t in zip(packed, result.trusted_logprobs, strict=True)]
-            rewards = await asyncio.get_running_loop().run_in_executor(self._reward_pool, self._score, prompt, sub)
+            rewards = await self._rewards(prompt, sub)
             group_id = await self.db.run(self._accept_op(node, lease, prompt, sub, digest, rewards, packed, True, now))
         return await self._answer(node, sub, lease, rejection, rewards, group_id)
 
@@ -390,16 +401,13 @@ class CoordinatorService:
         self.metrics.accepted_tokens.inc(sub.num_tokens)
         return pb.SubmitGroupResponse(accepted=True, rewards=rewards, credited_tokens=sub.num_tokens, group_id=str(group_id))
 
-    def _precheck(self, conn: sqlite3.Connection, node: NodeInfo, sub: Submission, digest: str, now: int, *,
-                  score: bool) -> tuple:
-        """(lease, prompt, prior group if this is a retry, rejection, rewards if ``score`` and it passed)."""
+    def _precheck(self, conn: sqlite3.Connection, node: NodeInfo, sub: Submission, digest: str, now: int) -> tuple:
+        """(lease, prompt, prior group if this is a retry, rejection)."""
         lease, prompt, prior = self._load_lease(conn, sub.lease_id)
         if self._is_retry(lease, prior, node, digest):
             # An honest retry after a lost answer: the same content was accepted already. Answer the same.
-            return lease, prompt, prior, None, None
-        rejection = self._check_group(lease, node, sub, now)
-        rewards = self._score(prompt, sub) if score and rejection is None else None
-        return lease, prompt, None, rejection, rewards
+            return lease, prompt, prior, None
+        return lease, prompt, None, self._check_group(lease, node, sub, now)
 
     @staticmethod
     def _load_lease(conn: sqlite3.Connection, lease_id: str) -> tuple[LeaseRecord | None, dict | None, dict | None]:
@@ -434,20 +442,32 @@ class CoordinatorService:
             return True
         return self._audit_rng.random() < self.cfg.intake.audit_fraction
 
+    async def _rewards(self, prompt: dict, sub: Submission) -> list[float]:
+        """The group's rewards, computed in the reward pool: off the event loop and off the store's writer."""
+        return await asyncio.get_running_loop().run_in_executor(self._reward_pool, self._score, prompt, sub)
+
     def _score(self, prompt: dict, sub: Submission) -> list[float]:
-        """Rewards recomputed from the tokens by the environment's rubric; never read from the node."""
+        """Rewards recomputed from the tokens by the environment's rubric, in a reward worker process with a
+        time limit per sample; never read from the node. A failed reward is 0, counted and logged."""
         from veriroll.coordinator.environments import Prompt
 
-        p = Prompt(text=prompt["text"], answer=prompt["answer"], env=prompt["env"], meta=json.loads(prompt["meta"] or "{}"))
-        out = []
+        meta = json.loads(prompt["meta"] or "{}")
+        messages = meta.pop(MESSAGES_META_KEY, [])
+        p = Prompt(text=prompt["text"], answer=prompt["answer"], env=prompt["env"], meta=meta, messages=messages)
+        texts = []
         for s in sub.samples:
             ids = np.asarray(s.token_ids, dtype=np.int64)
             for stop in self._stop_ids:
                 ids = ids[ids != stop]
-            text = self.codec.decode(ids.tolist())
-            r = float(self.env.reward(p, text))
-            out.append(r if np.isfinite(r) else 0.0)
-        return out
+            texts.append(self.codec.decode(ids.tolist()))
+        result = self.rewards.score_group(p, texts)
+        for kind in result.errors:
+            if kind is not None:
+                self.metrics.reward_errors.inc(kind=kind)
+        if result.details:
+            log.warning("reward errors in prompt %s of environment %s (scored 0): %s",
+                        prompt["prompt_id"], prompt["env"], "; ".join(result.details))
+        return result.rewards
 
     def _reject_op(self, node: NodeInfo, lease: LeaseRecord | None, rejection: Rejection) -> Callable[[sqlite3.Connection], None]:
         """Count the refusal (strike, maybe ban) and, for a content failure, spend the lease."""
@@ -531,6 +551,11 @@ class CoordinatorService:
     def close(self) -> None:
         self._verify_pool.shutdown(wait=False, cancel_futures=True)
         self._reward_pool.shutdown(wait=False, cancel_futures=True)
+        self.rewards.close()
+
+
+MESSAGES_META_KEY = "_messages"
+"""Key of the rendered conversation in a stored prompt's meta (taken out again before the reward sees meta)."""
 
 
 def sample_blobs(sub: Submission) -> list[tuple[bytes, bytes, bytes | None]]:

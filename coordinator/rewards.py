@@ -1,0 +1,240 @@
+"""Reward functions run in worker processes, with a time limit per sample.
+
+An environment's rubric is code the operator brought (or a library's): it may raise, loop forever, or
+block in C. It must never stall intake, so it runs neither on the store's writer thread nor on the
+event loop, and not even in a thread of the coordinator: a hung thread cannot be stopped, a process
+can. A :class:`RewardRunner` keeps ``workers`` processes, each of which loads the environment from its
+spec (name + kwargs, as the coordinator did) once, then scores whole groups:
+
+    parent ── (prompt, completions) ──▶ worker        one message per group
+    parent ◀── (index, reward, error) ── worker        one small message per sample, as each finishes
+
+Streaming the results is what makes the limit per sample: the parent waits at most ``timeout_s`` for
+each next result. When one does not come, the worker is killed, that sample gets reward 0 and a
+``timeout`` error, and a fresh worker scores the rest of the group. A reward function that raises
+gives its sample reward 0 and an ``exception`` error; a non-finite or non-numeric result is an
+``invalid`` error; a worker that dies mid-group (a segfault, ``os._exit``) is a ``crash``. Every error
+is counted by kind (:attr:`RewardRunner.errors`) and returned with the group, so the coordinator can
+export and log it; the group itself is scored and accepted as usual.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import multiprocessing
+import queue
+import signal
+import threading
+import traceback
+from collections import Counter
+from dataclasses import dataclass, field
+
+from veriroll.coordinator.environments import Prompt
+
+__all__ = ["REWARD_ERROR_KINDS", "GroupRewards", "RewardRunner", "RewardWorkerError"]
+
+log = logging.getLogger("veriroll.coordinator.rewards")
+
+REWARD_ERROR_KINDS = ("exception", "timeout", "invalid", "crash")
+"""Why a sample's reward was replaced by 0: the function raised, ran past the limit, returned a
+non-finite or non-numeric value, or took its worker process down."""
+
+
+class RewardWorkerError(RuntimeError):
+    """A reward worker could not start (the environment does not load in a fresh process)."""
+
+
+@dataclass
+class GroupRewards:
+    """The rewards of one group, in sample order, and per sample the kind of error that zeroed it (or None)."""
+
+    rewards: list[float]
+    errors: list[str | None] = field(default_factory=list)
+    details: list[str] = field(default_factory=list)
+    """One line per error, for the coordinator's log."""
+
+
+def _worker_main(conn, spec: str, kwargs: dict) -> None:
+    """A reward worker: load the environment, say ready (or why not), then score groups until told to stop."""
+    # Ctrl-C in the coordinator's terminal reaches the whole process group; the coordinator stops
+    # its workers itself, so they ignore it instead of printing a traceback each.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        from veriroll.coordinator.environments import load_environment
+
+        env = load_environment(spec, **kwargs)
+    except BaseException as e:  # noqa: BLE001 - reported to the parent, which raises it there
+        conn.send(("load_error", f"{type(e).__name__}: {e}"))
+        return
+    conn.send(("ready", None))
+    while True:
+        try:
+            request = conn.recv()
+        except EOFError:
+            return
+        if request is None:
+            return
+        prompt, completions, first = request
+        for i, completion in enumerate(completions, start=first):
+            try:
+                value = env.reward(prompt, completion)
+                try:
+                    value = float(value)
+                except (TypeError, ValueError):
+                    conn.send((i, 0.0, "invalid", f"returned {type(value).__name__} {value!r:.80}"))
+                    continue
+                if not math.isfinite(value):
+                    conn.send((i, 0.0, "invalid", f"returned {value}"))
+                else:
+                    conn.send((i, value, None, ""))
+            except Exception as e:  # noqa: BLE001 - any failure of the operator's code is that sample's 0
+                last = traceback.extract_tb(e.__traceback__)[-1:]
+                where = f" at {last[0].filename}:{last[0].lineno}" if last else ""
+                conn.send((i, 0.0, "exception", f"{type(e).__name__}: {e}{where}"))
+
+
+class _Worker:
+    """One worker process and the parent's end of its pipe."""
+
+    def __init__(self, ctx, spec: str, kwargs: dict, start_timeout_s: float):
+        self.conn, child = ctx.Pipe(duplex=True)
+        self.process = ctx.Process(target=_worker_main, args=(child, spec, kwargs), daemon=True,
+                                   name="veriroll-reward")
+        self.process.start()
+        child.close()
+        # Loading may read a dataset file (datasets caches it after the coordinator's own load).
+        if not self.conn.poll(start_timeout_s):
+            self.kill()
+            raise RewardWorkerError(f"reward worker for environment {spec!r} did not start within {start_timeout_s:g}s")
+        try:
+            status, detail = self.conn.recv()
+        except EOFError:
+            self.kill()
+            raise RewardWorkerError(f"reward worker for environment {spec!r} exited while loading it") from None
+        if status != "ready":
+            self.kill()
+            raise RewardWorkerError(f"reward worker cannot load environment {spec!r}: {detail}")
+
+    def kill(self) -> None:
+        if self.process.is_alive():
+            self.process.kill()
+        self.process.join(timeout=10)
+        self.conn.close()
+
+    def stop(self) -> None:
+        try:
+            self.conn.send(None)
+        except (OSError, ValueError):
+            pass
+        self.process.join(timeout=2)
+        self.kill()
+
+
+class RewardRunner:
+    """Scores groups in worker processes loaded from an environment spec, ``timeout_s`` per sample.
+
+    Thread-safe: up to ``workers`` groups are scored at once (one per worker); further callers wait
+    for a free worker. Workers start on first use, so a coordinator that never scores never pays for
+    them. :meth:`score_group` blocks: call it from a worker thread, never on the event loop.
+    """
+
+    def __init__(self, spec: str, kwargs: dict | None = None, *, timeout_s: float = 5.0, workers: int = 1,
+                 start_timeout_s: float = 300.0):
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s must be positive, got {timeout_s}")
+        if workers < 1:
+            raise ValueError(f"workers must be >= 1, got {workers}")
+        self.spec, self.kwargs = spec, dict(kwargs or {})
+        self.timeout_s, self.start_timeout_s = float(timeout_s), float(start_timeout_s)
+        # spawn, not fork: the coordinator has threads (gRPC, SQLite, this pool), and forking a
+        # process with threads can copy a held lock into the child.
+        self._ctx = multiprocessing.get_context("spawn")
+        self._slots: queue.Queue[_Worker | None] = queue.Queue()
+        for _ in range(workers):
+            self._slots.put(None)  # a free slot whose worker has not started yet
+        self._lock = threading.Lock()
+        self._live: set[_Worker] = set()
+        self.errors: Counter[str] = Counter()
+        """Reward errors so far, by kind (see :data:`REWARD_ERROR_KINDS`)."""
+        self.restarts = 0
+        """Workers killed and replaced after a timeout or crash."""
+
+    def _start(self) -> _Worker:
+        worker = _Worker(self._ctx, self.spec, self.kwargs, self.start_timeout_s)
+        with self._lock:
+            self._live.add(worker)
+        return worker
+
+    def _discard(self, worker: _Worker) -> None:
+        worker.kill()
+        with self._lock:
+            self._live.discard(worker)
+            self.restarts += 1
+
+    def score_group(self, prompt: Prompt, completions: list[str]) -> GroupRewards:
+        """The reward of each completion for ``prompt`` (0 where the reward function failed, with the error's kind)."""
+        n = len(completions)
+        out = GroupRewards(rewards=[0.0] * n, errors=[None] * n)
+        if n == 0:
+            return out
+        worker = self._slots.get()
+        try:
+            next_index = 0
+            while next_index < n:
+                if worker is None:
+                    try:
+                        worker = self._start()
+                    except RewardWorkerError as e:
+                        # The environment loaded in the coordinator but not in a fresh process (a
+                        # module only on the coordinator's sys.path?): the rest of the group is 0, counted.
+                        for i in range(next_index, n):
+                            self._record(out, i, "exception", str(e))
+                        break
+                next_index, worker = self._run(worker, prompt, completions, next_index, out)
+        finally:
+            self._slots.put(worker)
+        with self._lock:
+            self.errors.update(kind for kind in out.errors if kind is not None)
+        return out
+
+    def _run(self, worker: _Worker, prompt: Prompt, completions: list[str], first: int,
+             out: GroupRewards) -> tuple[int, _Worker | None]:
+        """Send ``completions[first:]`` to ``worker`` and collect results; on a timeout or crash, record it for
+        the sample in progress and return (next index, None) so that a fresh worker takes the rest."""
+        try:
+            worker.conn.send((prompt, completions[first:], first))
+        except (OSError, ValueError):  # the worker died between groups: start another, lose nothing
+            self._discard(worker)
+            return first, None
+        for i in range(first, len(completions)):
+            if not worker.conn.poll(self.timeout_s):
+                self._discard(worker)
+                self._record(out, i, "timeout", f"no result within {self.timeout_s:g}s; worker killed and replaced")
+                return i + 1, None
+            try:
+                index, value, kind, detail = worker.conn.recv()
+            except (EOFError, OSError):
+                exitcode = worker.process.exitcode
+                self._discard(worker)
+                self._record(out, i, "crash", f"the reward worker exited (code {exitcode}) while scoring it")
+                return i + 1, None
+            if kind is None:
+                out.rewards[index] = value
+            else:
+                self._record(out, index, kind, detail)
+        return len(completions), worker
+
+    @staticmethod
+    def _record(out: GroupRewards, index: int, kind: str, detail: str) -> None:
+        out.rewards[index] = 0.0
+        out.errors[index] = kind
+        out.details.append(f"sample {index}: {kind}: {detail}")
+
+    def close(self) -> None:
+        """Stop every worker (one busy scoring is killed, and its sample counted as a crash); a later call
+        starts fresh workers, so scoring after a coordinator stopped (a test re-checking rewards) still works."""
+        with self._lock:
+            live, self._live = list(self._live), set()
+        for worker in live:
+            worker.stop()

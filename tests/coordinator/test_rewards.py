@@ -1,0 +1,135 @@
+"""Reward functions run in killable worker processes: a raise, a hang, a crash or a bad value scores that
+sample 0 and is counted; the group is still scored, and the next group is scored normally."""
+
+from __future__ import annotations
+
+import asyncio
+import textwrap
+
+import numpy as np
+import pytest
+from support import make_coordinator_dir, node_client, running_coordinator
+
+from veriroll.coordinator.environments import Prompt
+from veriroll.coordinator.rewards import RewardRunner
+from veriroll.protos.v1 import coordinator_pb2 as pb
+
+# The environment lives in a module written to tmp_path and put on sys.path: reward workers are fresh
+# processes, which import it by name (they inherit the parent's sys.path).
+FLAKY_MODULE = textwrap.dedent(
+    """
+    import os
+    import time
+    from veriroll.coordinator.environments import Environment, Prompt, RewardFunction, Rubric
+
+    def _prompt(rng):
+        return Prompt(text="1+1=", answer="2", env="flaky", meta={})
+
+    def _reward(prompt, completion):
+        # What the completion starts with says how this reward function misbehaves.
+        head = completion.strip()[:1]
+        if head == "3":
+            raise RuntimeError("reward function bug")
+        if head == "4":
+            time.sleep(3600)  # hangs: only killing the process ends it
+        if head == "5":
+            return float("nan")
+        if head == "6":
+            os._exit(7)  # takes the worker down
+        return 1.0 if head == "1" else 0.5
+
+    def make():
+        return Environment("flaky", Rubric([RewardFunction(_reward)]), alphabet="0123456789+=",
+                           max_new_tokens=4, prompt_fn=_prompt)
+    """
+)
+
+
+@pytest.fixture
+def flaky_spec(tmp_path, monkeypatch):
+    (tmp_path / "veriroll_test_flaky_env.py").write_text(FLAKY_MODULE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return "veriroll_test_flaky_env:make"
+
+
+PROMPT = Prompt(text="1+1=", answer="2", env="flaky")
+
+
+def test_raise_and_hang_score_zero_are_counted_and_the_next_group_is_normal(flaky_spec):
+    runner = RewardRunner(flaky_spec, timeout_s=0.5)
+    try:
+        out = runner.score_group(PROMPT, ["1", "3", "4", "2", "1"])
+        assert out.rewards == [1.0, 0.0, 0.0, 0.5, 1.0]
+        assert out.errors == [None, "exception", "timeout", None, None]
+        assert "RuntimeError: reward function bug" in out.details[0] and "worker killed" in out.details[1]
+        assert runner.errors == {"exception": 1, "timeout": 1}
+        assert runner.restarts == 1  # the hung worker was killed and replaced
+        again = runner.score_group(PROMPT, ["1", "2", "1"])
+        assert again.rewards == [1.0, 0.5, 1.0] and again.errors == [None, None, None]
+        assert runner.restarts == 1
+    finally:
+        runner.close()
+
+
+def test_bad_values_and_crashes_are_counted_by_kind(flaky_spec):
+    runner = RewardRunner(flaky_spec, timeout_s=30)
+    try:
+        out = runner.score_group(PROMPT, ["5", "6", "1"])
+        assert out.rewards == [0.0, 0.0, 1.0]
+        assert out.errors == ["invalid", "crash", None]
+        assert "code 7" in out.details[1]
+        assert runner.errors == {"invalid": 1, "crash": 1} and runner.restarts == 1
+    finally:
+        runner.close()
+
+
+def test_builtin_environments_score_in_workers_as_in_process():
+    runner = RewardRunner("reverse-text", timeout_s=30)
+    try:
+        p = Prompt(text="abcd|", answer="dcba", env="reverse-text")
+        assert runner.score_group(p, ["dcba", "dcbx", ""]).rewards == pytest.approx([1.0, 0.75, 0.0])
+        assert runner.score_group(p, []).rewards == []
+    finally:
+        runner.close()
+
+
+def test_a_spec_that_does_not_load_in_the_worker_scores_zero_with_the_reason():
+    runner = RewardRunner("no_such_module_veriroll_rewards:env", timeout_s=30)
+    try:
+        out = runner.score_group(PROMPT, ["1", "1"])
+        assert out.rewards == [0.0, 0.0] and out.errors == ["exception", "exception"]
+        assert "cannot load environment" in out.details[0] and "no_such_module_veriroll_rewards" in out.details[0]
+    finally:
+        runner.close()
+
+
+def _group(lease: pb.Lease, heads: list[int]) -> pb.SubmitGroupRequest:
+    """One sample per head token, each ``max_new_tokens`` long (shape checks only: intake.verify is off)."""
+    samples = [pb.Sample(token_ids=[head] * lease.max_new_tokens,
+                         logprobs=np.full(lease.max_new_tokens, -1.0, dtype="<f4").tobytes(),
+                         proof=b"p" * 16, finish_reason="length") for head in heads]
+    return pb.SubmitGroupRequest(lease_id=lease.lease_id, policy_version=lease.policy_version, samples=samples)
+
+
+def test_coordinator_accepts_a_group_whose_rewards_raise_or_hang_and_counts_them(tmp_path, flaky_spec):
+    base = make_coordinator_dir(tmp_path, {"environment.name": flaky_spec, "environment.kwargs": {},
+                                           "environment.reward_timeout_s": 0.5})
+
+    async def scenario():
+        async with running_coordinator(base) as coord, node_client(coord) as stub:
+            ids = dict(zip("12345", coord.service.tokenizer.convert_tokens_to_ids(list("12345")), strict=True))
+            lease = (await stub.lease_work(pb.LeaseRequest(max_leases=1, loaded_version=-1))).leases[0]
+            ok = await stub.submit_group(_group(lease, [ids["1"], ids["3"], ids["4"], ids["2"]]))
+            assert ok.accepted and list(ok.rewards) == [1.0, 0.0, 0.0, 0.5]
+            m = coord.service.metrics
+            assert m.reward_errors.get(kind="exception") == 1 and m.reward_errors.get(kind="timeout") == 1
+            lease = (await stub.lease_work(pb.LeaseRequest(max_leases=1, loaded_version=0))).leases[0]
+            ok = await stub.submit_group(_group(lease, [ids["1"], ids["2"], ids["1"], ids["1"]]))
+            assert ok.accepted and list(ok.rewards) == [1.0, 0.5, 1.0, 1.0]
+            assert m.reward_errors.get(kind="timeout") == 1
+            stored = coord.db.run_sync(lambda c: [r[0] for r in c.execute("SELECT reward FROM samples ORDER BY rowid")])
+            assert stored == [1.0, 0.0, 0.0, 0.5, 1.0, 0.5, 1.0, 1.0]
+            metrics_text = m.registry.render()
+            assert 'veriroll_reward_errors_total{kind="exception"} 1' in metrics_text
+
+    asyncio.run(scenario())
