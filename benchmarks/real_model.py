@@ -84,18 +84,17 @@ class Prompts:
     def __init__(self, model_dir: Path, seed: int = 0):
         from transformers import AutoTokenizer
 
-        from veriroll.coordinator.config import EnvironmentConfig
         from veriroll.coordinator.environments import load_environment
         from veriroll.coordinator.prompts import PromptRenderer
 
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.env = load_environment("math")
-        self.renderer = PromptRenderer.from_config(self.tokenizer, EnvironmentConfig(name="math"))
+        self.renderer = PromptRenderer(self.tokenizer)
         self.rng = random.Random(seed)
 
     def draw(self):
         prompt = self.env.sample_prompts(self.rng, 1)[0]
-        return prompt, list(self.renderer.encode(prompt))
+        return prompt, list(self.renderer.render(prompt))
 
 
 # --------------------------------------------------------------------------------------------------

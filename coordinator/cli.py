@@ -161,20 +161,18 @@ def _init(args, base: Path) -> dict:
 def _check_prompt_rendering(cfg: CoordinatorConfig, checkpoint: Path) -> None:
     """Render one prompt with the model's tokenizer as the coordinator will (chat template or plain
     text), so that a tokenizer without the template an instruct-style prompt needs fails here."""
-    try:
-        from veriroll.coordinator.prompts import PromptRenderer
-    except ImportError:  # the renderer lands with the chat environments; until then plain text is all there is
-        return
     import random
 
     from transformers import AutoTokenizer
 
     from veriroll.coordinator.environments import load_environment
+    from veriroll.coordinator.prompts import PromptRenderer
 
     env = load_environment(cfg.environment.name, **cfg.environment.kwargs)
-    renderer = PromptRenderer.from_config(AutoTokenizer.from_pretrained(str(checkpoint)), cfg.environment)
     try:
-        renderer.encode(env.sample_prompts(random.Random(0), 1)[0])
+        renderer = PromptRenderer(AutoTokenizer.from_pretrained(str(checkpoint)), system_prompt=cfg.environment.system_prompt,
+                                  chat_template=cfg.environment.chat_template)
+        renderer.render(env.sample_prompts(random.Random(0), 1)[0])
     except ValueError as exc:
         raise InitError(str(exc)) from exc
 
