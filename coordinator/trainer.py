@@ -68,11 +68,13 @@ __all__ = [
     "RolloutBatch",
     "StepOutcome",
     "Trainer",
+    "autocast_dtype",
     "build_batch",
     "distributed_train_step",
     "load_groups",
     "micro_batches",
     "select_groups",
+    "set_gradient_checkpointing",
     "shard_batch",
     "start_trainer",
     "train_step",
@@ -243,8 +245,14 @@ def build_batch(groups: list[GroupRecord], staleness: list[int], *, std_scale: b
 
 def completion_logprobs(model: torch.nn.Module, batch: RolloutBatch) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-probs ``[B, T]`` of the sampled tokens under ``softmax(logits / T)`` (with gradient), and the
-    per-token entropy ``[B, T]`` of that distribution (detached)."""
-    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
+    per-token entropy ``[B, T]`` of that distribution (detached).
+
+    Padding is masked by ``attention_mask`` alone, never by comparing ids with the pad id: real
+    tokenizers often pad with EOS (SmolLM2: pad = eos = 2), which is also the last token of a completion.
+    The softmax is taken in float32 even when the forward ran under bf16 autocast.
+    """
+    # No KV cache: training reads every position once, and a cache would only hold memory.
+    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False).logits
     vocab = logits.shape[-1]
     picked = logits.gather(1, batch.positions[..., None].expand(-1, -1, vocab)).float()
     logp_all = F.log_softmax(picked / batch.temperature[:, None, None], dim=-1)
@@ -334,14 +342,71 @@ def micro_batches(batch: RolloutBatch, max_tokens: int) -> list[RolloutBatch]:
     return out
 
 
+def autocast_dtype(setting: str, device: torch.device | str) -> torch.dtype | None:
+    """The dtype the forward runs in under autocast on ``device`` (``None``: no autocast, plain float32).
+
+    ``'auto'`` is bf16 on a CUDA device that supports it, and off on CPU (float32 keeps the trainer's
+    log-probs closest to the verifier's; ``benchmarks/trainer_memory.py --autocast bfloat16`` measures
+    what bf16 would buy on a given CPU). ``'bfloat16'`` forces it on any device (CPU autocast is
+    correct everywhere, only slow without native bf16); ``'off'`` never.
+    """
+    device = torch.device(device)
+    if setting == "off":
+        return None
+    if setting == "bfloat16":
+        return torch.bfloat16
+    if setting == "auto":
+        if device.type == "cuda" and torch.cuda.is_available() and torch.cuda.is_bf16_supported():
+            return torch.bfloat16
+        return None
+    raise ValueError(f"trainer.autocast must be 'auto', 'bfloat16' or 'off', got {setting!r}")
+
+
+def set_gradient_checkpointing(model: torch.nn.Module, enabled: bool) -> bool:
+    """Turn activation checkpointing of ``model`` (a transformers model, maybe DDP-wrapped) on or off;
+    returns whether it is on. A model that does not support it trains without it (with a warning)."""
+    inner = getattr(model, "module", model)  # DDP keeps the model in .module; FSDP2 modifies it in place
+    if not getattr(inner, "supports_gradient_checkpointing", False):
+        if enabled:
+            log.warning("%s does not support gradient checkpointing; training without it", type(inner).__name__)
+        return False
+    # transformers >= 5.24 renamed gradient → activation checkpointing; the old names warn.
+    on = bool(getattr(inner, "is_activation_checkpointing", None) if hasattr(inner, "is_activation_checkpointing")
+              else getattr(inner, "is_gradient_checkpointing", False))
+    if enabled and not on:
+        # Non-reentrant checkpointing: it needs no input that requires grad, works under DDP without
+        # find_unused_parameters tricks, and is what torch recommends (the reentrant one is deprecated).
+        enable = getattr(inner, "activation_checkpointing_enable", None)
+        if enable is not None:
+            enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            inner.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    elif on and not enabled:
+        disable = getattr(inner, "activation_checkpointing_disable", None) or inner.gradient_checkpointing_disable
+        disable()
+    return enabled
+
+
+def _forward_context(model: torch.nn.Module, cfg: TrainerConfig):
+    param = next(model.parameters())
+    dtype = autocast_dtype(cfg.autocast, param.device)
+    if dtype is None:
+        return contextlib.nullcontext()
+    # The master weights stay float32: autocast casts per op (matmuls in bf16), and the gradients
+    # land on the float32 parameters, so AdamW's state and the clipping stay float32 too.
+    return torch.autocast(device_type=param.device.type, dtype=dtype)
+
+
 def _accumulate(model, parts: list[RolloutBatch], cfg: TrainerConfig, s_max: int, ref_model, no_sync=None) -> dict:
     """Backward Σ per_token·w of every micro-batch into the gradients (unnormalized); their summed
     diagnostics. ``no_sync`` (DDP's) defers the gradient all-reduce to the last micro-batch."""
+    set_gradient_checkpointing(model, cfg.gradient_checkpointing)
     total: dict[str, float] = {}
     for i, part in enumerate(parts):
         ctx = no_sync() if no_sync is not None and i < len(parts) - 1 else contextlib.nullcontext()
         with ctx:
-            summed_loss, sums = _step_sums(model, part, cfg, s_max, ref_model)
+            with _forward_context(model, cfg):
+                summed_loss, sums = _step_sums(model, part, cfg, s_max, ref_model)
             summed_loss.backward()
         for k, v in sums.items():
             total[k] = total.get(k, 0.0) + v

@@ -11,6 +11,7 @@ import time
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from support import make_coordinator_dir, running_coordinator
 
 from veriroll.coordinator import store as st
@@ -338,3 +339,86 @@ def test_groups_reset_by_a_resume_count_staleness_from_the_restored_version():
     # ...but group 2 was reset by a resume to the checkpoint of version 5: it is fresh against that.
     fresh, stale = select_groups(conn, 8, 2, 16, {2: 5})
     assert fresh == [(2, 0)] and stale == [(1, 7)]
+
+
+# ---------------------------------------------------------------------------------------------------
+# The step's memory options on a tiny Llama: gradient checkpointing, bf16 autocast
+
+
+def tiny_model(seed: int = 0):
+    from veriroll.coordinator.model_factory import build_char_tokenizer, build_tiny_model
+
+    return build_tiny_model(build_char_tokenizer("0123456789+="), layers=2, hidden=64, heads=4, seed=seed)
+
+
+def tiny_batch(groups: int = 4):
+    """``groups`` groups of four, ragged prompts and completions, rewards varying inside each group."""
+    from veriroll.coordinator.trainer import GroupRecord, SampleRecord, build_batch
+
+    rng = np.random.default_rng(1)
+    out = []
+    for g in range(groups):
+        prompt = np.array([1, *rng.integers(4, 16, size=2 + g % 3)], dtype=np.int32)
+        samples = [SampleRecord(rng.integers(4, 16, size=2 + (g + i) % 4).astype(np.int32),
+                                (-rng.uniform(0.5, 3.0, size=2 + (g + i) % 4)).astype(np.float32), None, float(i % 2))
+                   for i in range(4)]
+        out.append(GroupRecord(g, "arithmetic", 0, 1.0, 0, prompt, samples))
+    batch, keep = build_batch(out, [0] * groups)
+    assert bool(keep.all())
+    return batch
+
+
+def sgd_update(model, cfg, batch) -> tuple[dict, dict[str, torch.Tensor]]:
+    """The step's diagnostics and its parameter update under SGD(lr=1): the clipped gradient, negated."""
+    from veriroll.coordinator.trainer import train_step
+
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    metrics = train_step(model, torch.optim.SGD(model.parameters(), lr=1.0), batch, cfg, s_max=2)
+    return metrics, {n: p.detach() - before[n] for n, p in model.named_parameters()}
+
+
+def test_gradient_checkpointing_recomputes_layers_and_gives_the_same_gradients():
+    from veriroll.coordinator.config import TrainerConfig
+
+    torch.set_num_threads(1)
+    batch = tiny_batch()
+    results = {}
+    for checkpointing in (False, True):
+        model = tiny_model()
+        calls = []
+        model.model.layers[0].self_attn.register_forward_pre_hook(lambda *_, calls=calls: calls.append(1))
+        cfg = TrainerConfig(gradient_checkpointing=checkpointing, autocast="off", micro_batch_tokens=10_000)
+        metrics, update = sgd_update(model, cfg, batch)
+        results[checkpointing] = metrics, update, len(calls), model.is_activation_checkpointing
+    (m0, u0, calls0, on0), (m1, u1, calls1, on1) = results[False], results[True]
+    # Checkpointing runs each layer's forward again in the backward: its attention is called twice.
+    assert (on0, calls0) == (False, 1) and (on1, calls1) == (True, 2)
+    assert m1["loss"] == pytest.approx(m0["loss"], rel=1e-6) and m1["grad_norm"] == pytest.approx(m0["grad_norm"], rel=1e-5)
+    assert any(u.abs().max() > 1e-4 for u in u0.values())
+    for name in u0:
+        torch.testing.assert_close(u1[name], u0[name], rtol=0, atol=1e-5, msg=name)
+
+
+def test_bf16_autocast_step_keeps_float32_weights_and_moves_them_like_float32():
+    from veriroll.coordinator.config import TrainerConfig
+    from veriroll.coordinator.trainer import autocast_dtype
+
+    torch.set_num_threads(1)
+    assert autocast_dtype("auto", "cpu") is None and autocast_dtype("off", "cpu") is None
+    assert autocast_dtype("bfloat16", "cpu") is torch.bfloat16
+    batch = tiny_batch()
+    updates = {}
+    for setting in ("off", "bfloat16"):
+        model = tiny_model()
+        seen = []
+        # The dtype the first layer's attention projection computes in: bf16 under autocast.
+        model.model.layers[0].self_attn.q_proj.register_forward_hook(lambda m, i, o, seen=seen: seen.append(o.dtype))
+        metrics, updates[setting] = sgd_update(model, TrainerConfig(autocast=setting), batch)
+        assert np.isfinite(metrics["loss"]) and metrics["grad_norm"] > 0
+        assert seen[0] == (torch.bfloat16 if setting == "bfloat16" else torch.float32)
+        assert all(p.dtype == torch.float32 for p in model.parameters())  # master weights stay float32
+    changed = [n for n, u in updates["bfloat16"].items() if u.abs().max() > 0]
+    assert len(changed) == len(updates["bfloat16"])
+    # bf16 rounds the activations (8 bits of mantissa): the update points the same way as float32's.
+    flat = {k: torch.cat([u.flatten() for u in v.values()]) for k, v in updates.items()}
+    assert F.cosine_similarity(flat["off"], flat["bfloat16"], dim=0) > 0.99
