@@ -72,6 +72,7 @@ __all__ = [
     "build_batch",
     "distributed_train_step",
     "load_groups",
+    "measure_publish",
     "micro_batches",
     "select_groups",
     "set_gradient_checkpointing",
@@ -79,6 +80,7 @@ __all__ = [
     "start_trainer",
     "train_step",
     "wrap_distributed",
+    "write_policy_version",
 ]
 
 log = logging.getLogger("veriroll.trainer")
@@ -517,6 +519,46 @@ def distributed_train_step(model: torch.nn.Module, optimizer: torch.optim.Optimi
 
 
 # ---------------------------------------------------------------------------------------------------
+# Versions out: the weights in the operator's dtype, version 0's tokenizer
+
+
+def write_policy_version(model: torch.nn.Module, base_dir: str | Path, out_dir: str | Path,
+                         dtype: torch.dtype = torch.float32) -> Path:
+    """Write ``model``'s weights in ``dtype`` as an HF directory at ``out_dir`` (atomically, safetensors,
+    sharded past ``models.MAX_SHARD_SIZE``), with every non-weight file of ``base_dir`` (tokenizer, chat
+    template, generation config) copied unchanged. The model's float32 master weights are not touched."""
+    from veriroll.coordinator.models import save_pretrained_checkpoint
+
+    return save_pretrained_checkpoint(getattr(model, "module", model), Path(base_dir), out_dir, dtype=dtype)
+
+
+def measure_publish(model: torch.nn.Module, tokenizer_dir: str | Path, out_root: str | Path, dtype: torch.dtype | str,
+                    key, *, version: int = 1, shard_size: int | None = None) -> dict:
+    """Time what the trainer and publisher do for one new version of ``model``: write the checkpoint in
+    ``dtype`` (:func:`write_policy_version`, ``save_s``), then shard, hash, link and sign it into a
+    shardcast store (``publish_checkpoint``, ``shard_s``). Everything lands under ``out_root``
+    (``checkpoint/`` and ``store/``); ``key`` is the coordinator's PrivateKey or its PEM path.
+
+    Returns ``{publish_s, save_s, shard_s, bytes, files, dtype}``: ``bytes`` is what the manifest ships.
+    """
+    from veriroll.coordinator.models import DTYPES
+    from veriroll.shardcast.publish import publish_checkpoint
+
+    dtype = DTYPES[dtype] if isinstance(dtype, str) else dtype
+    out_root = Path(out_root)
+    checkpoint = out_root / "checkpoint"
+    t0 = time.perf_counter()
+    write_policy_version(model, tokenizer_dir, checkpoint, dtype)
+    t1 = time.perf_counter()
+    # link=True as the coordinator's publisher does: installed versions are never modified in place.
+    result = publish_checkpoint(checkpoint, out_root / "store", key, version, link=True,
+                                **({"shard_size": shard_size} if shard_size else {}))
+    t2 = time.perf_counter()
+    return {"publish_s": t2 - t0, "save_s": t1 - t0, "shard_s": t2 - t1, "bytes": int(result.total_bytes),
+            "files": len(result.manifest.files), "dtype": str(dtype).removeprefix("torch.")}
+
+
+# ---------------------------------------------------------------------------------------------------
 # The trainer: store in, versions out
 
 
@@ -549,6 +591,12 @@ class Trainer:
         if self.min_groups < self.tcfg.min_groups:
             log.warning("trainer.min_groups %d > groups_per_step %d; using %d", self.tcfg.min_groups,
                         self.tcfg.groups_per_step, self.min_groups)
+        from veriroll.coordinator.models import DTYPES
+
+        if cfg.model_dtype not in DTYPES:
+            raise ValueError(f"model_dtype must be one of {', '.join(DTYPES)}, got {cfg.model_dtype!r}")
+        # Published versions are in the operator's dtype; the trainer's own weights stay float32.
+        self.publish_dtype = DTYPES[cfg.model_dtype]
         self.db = db
         self.policy_store = policy_store
         self.metrics = metrics
@@ -723,18 +771,18 @@ class Trainer:
                  ",".join(str(s) for s in sorted({s for _, s in stale})), self.s_max)
 
     def _install_version(self) -> int:
-        """Write the current weights as the next policy version (HF format) and install it; returns it.
+        """Write the current weights as the next policy version (HF format, ``cfg.model_dtype``) and install
+        it; returns it. Runs in the trainer's worker thread, never on the event loop.
 
         The number is one past both the announced version and anything on disk, so a version a crashed
-        run installed but never announced is never reused.
+        run installed but never announced is never reused. Tokenizer files, chat template and generation
+        config are copied from the oldest version on disk (version 0) byte for byte.
         """
-        from veriroll.coordinator.model_factory import save_checkpoint
-
         on_disk = self.policy_store.available()
         version = max([self.version, *on_disk]) + 1
         self.staging_dir.mkdir(parents=True, exist_ok=True)
         tmp = self.staging_dir / f"v{version:06d}-{int(self.clock() * 1000)}"
-        save_checkpoint(self.model, self.policy_store.tokenizer, tmp)
+        write_policy_version(self.model, self.policy_store.version_dir(on_disk[0]), tmp, self.publish_dtype)
         self.policy_store.install(tmp, version)
         return version
 

@@ -422,3 +422,158 @@ def test_bf16_autocast_step_keeps_float32_weights_and_moves_them_like_float32():
     # bf16 rounds the activations (8 bits of mantissa): the update points the same way as float32's.
     flat = {k: torch.cat([u.flatten() for u in v.values()]) for k, v in updates.items()}
     assert F.cosine_similarity(flat["off"], flat["bfloat16"], dim=0) > 0.99
+
+
+# ---------------------------------------------------------------------------------------------------
+# Published versions: the operator's dtype, version 0's tokenizer files
+
+
+WEIGHT_SUFFIXES = (".safetensors", ".safetensors.index.json")
+
+
+def non_weight_files(d) -> dict[str, bytes]:
+    """Every file of a version directory but its weights and config.json, by name, with its bytes."""
+    return {p.name: p.read_bytes() for p in d.iterdir()
+            if p.is_file() and p.name != "config.json" and not p.name.endswith(WEIGHT_SUFFIXES)}
+
+
+def safetensors_weights(d) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    out = {}
+    for f in sorted(d.glob("*.safetensors")):
+        out.update(load_file(f))
+    return out
+
+
+def load_version(d, dtype="auto"):
+    """A published version as a node or the verifier loads it: AutoModelForCausalLM + AutoTokenizer."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from veriroll.coordinator.models import _dtype_kwarg
+
+    return AutoModelForCausalLM.from_pretrained(str(d), **{_dtype_kwarg(): dtype}), AutoTokenizer.from_pretrained(str(d))
+
+
+@pytest.mark.parametrize("model_dtype", ["float32", "bfloat16"])
+def test_tiny_preset_versions_are_published_in_the_operators_dtype_with_version_0s_tokenizer(trainer_env, model_dtype):
+    trainer, db = trainer_env({"model_dtype": model_dtype})
+    trainer.resume()
+    add_groups(db, [SIGNAL] * 2)
+    assert trainer.step().published == 1
+    v0, v1 = trainer.policy_store.version_dir(0), trainer.policy_store.version_dir(1)
+    # The char tokenizer's files (tokenizer_class PreTrainedTokenizerFast) are version 0's, byte for byte.
+    assert non_weight_files(v1) == non_weight_files(v0) and "tokenizer.json" in non_weight_files(v1)
+    assert b"PreTrainedTokenizerFast" in non_weight_files(v1)["tokenizer_config.json"]
+    want = getattr(torch, model_dtype)
+    model, tok = load_version(v1)
+    assert {p.dtype for p in model.parameters()} == {want}
+    assert tok.encode("1+2=") == trainer.policy_store.tokenizer.encode("1+2=")
+    # The file holds the trainer's float32 weights rounded to the configured dtype; the trainer keeps float32.
+    published = safetensors_weights(v1)
+    trained = dict(trainer.model.state_dict())
+    assert all(p.dtype == torch.float32 for p in trainer.model.parameters())
+    for name, t in published.items():
+        assert t.dtype == want, name
+        assert torch.equal(t, trained[name].to(want)), name
+    assert any(not torch.equal(published[n], safetensors_weights(v0)[n].to(want)) for n in published)
+
+
+def link_model(src, dst) -> None:
+    """``dst`` as a directory of symlinks to ``src``'s files (the 538 MB model is not copied)."""
+    dst.mkdir(parents=True)
+    for p in src.iterdir():
+        (dst / p.name).symlink_to(p)
+
+
+def smollm2_trainer(tmp_path, smollm2_dir, overrides: dict, *, v0_dtype: str = "float32"):
+    """A Trainer whose version 0 is SmolLM2-135M-Instruct, stored in ``v0_dtype``."""
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    from veriroll.coordinator.models import DTYPES, save_pretrained_checkpoint
+
+    base = make_coordinator_dir(tmp_path, {"trainer.groups_per_step": 2, "trainer.min_groups": 2, **overrides})
+    cfg = load_coordinator_config(base)
+    store = PolicyStore(base / cfg.checkpoints)
+    shutil.rmtree(store.version_dir(0))
+    if v0_dtype == "float32":
+        link_model(smollm2_dir, store.version_dir(0))
+    else:
+        model = AutoModelForCausalLM.from_pretrained(str(smollm2_dir))
+        save_pretrained_checkpoint(model, smollm2_dir, store.version_dir(0), dtype=DTYPES[v0_dtype])
+        del model
+    db = st.Database(base / cfg.database)
+    return Trainer(cfg, db, store), db
+
+
+def chat_prompt(tok, text: str) -> list[int]:
+    ids = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True)
+    return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+
+
+def real_groups(tok, n_groups: int, group_size: int, completion_len: int, *, seed: int = 0) -> list[dict]:
+    """Groups for ``insert_group``: a chat prompt, random completions ending in EOS (= the pad id),
+    rewards that vary inside each group so every sample has a non-zero advantage."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for g in range(n_groups):
+        samples = []
+        for i in range(group_size):
+            n = completion_len - (i % 3)
+            tokens = [*rng.integers(100, tok.vocab_size, size=n - 1).tolist(), tok.eos_token_id]
+            samples.append((tokens, (-rng.uniform(5.0, 12.0, size=n)).tolist()))
+        out.append({"rewards": [float(i % 2) for i in range(group_size)], "samples": samples,
+                    "prompt": chat_prompt(tok, f"What is {g} + {g + 1}? Think step by step.")})
+    return out
+
+
+def insert_real_groups(db, groups: list[dict]) -> list[int]:
+    def op(conn):
+        ids = []
+        for g in groups:
+            gid = insert_group(conn, g["rewards"], samples=g["samples"])
+            pid = conn.execute("SELECT prompt_id FROM groups WHERE group_id = ?", (gid,)).fetchone()[0]
+            conn.execute("UPDATE prompts SET prompt_ids = ? WHERE prompt_id = ?", (st.pack_i32(g["prompt"]), pid))
+            ids.append(gid)
+        return ids
+
+    return db.run_sync(op)
+
+
+def test_real_model_loads_bf16_version_0_as_float32_and_publishes_bf16_with_its_own_tokenizer(tmp_path, smollm2_dir):
+    trainer, db = smollm2_trainer(tmp_path, smollm2_dir, {"model_dtype": "bfloat16", "trainer.lr": 1e-4,
+                                                          "trainer.micro_batch_tokens": 256,
+                                                          "trainer.gradient_checkpointing": True,
+                                                          "trainer.kl_coef": 0.01}, v0_dtype="bfloat16")
+    try:
+        torch.set_num_threads(1)
+        trainer.resume()
+        v0 = trainer.policy_store.version_dir(0)
+        stored = safetensors_weights(v0)
+        assert {t.dtype for t in stored.values()} == {torch.bfloat16}
+        # bf16 on disk, float32 in the trainer (policy and KL reference alike): the master weights.
+        for model in (trainer.model, trainer.ref_model):
+            assert {p.dtype for p in model.parameters()} == {torch.float32}
+            assert torch.equal(model.state_dict()["model.embed_tokens.weight"],
+                               stored["model.embed_tokens.weight"].float())
+        tok = trainer.policy_store.tokenizer
+        assert tok.pad_token_id == tok.eos_token_id == 2
+        insert_real_groups(db, real_groups(tok, 2, 4, 12))
+        out = trainer.step()
+        assert out.published == 1 and np.isfinite(out.metrics["loss"]) and out.metrics["grad_norm"] > 0
+        v1 = trainer.policy_store.version_dir(1)
+        files = non_weight_files(v1)
+        assert files == non_weight_files(v0)
+        assert {"tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"} <= set(files)
+        published = safetensors_weights(v1)
+        assert published.keys() == stored.keys()  # the tied LM head is not written twice
+        assert {t.dtype for t in published.values()} == {torch.bfloat16}
+        assert any(not torch.equal(published[n], stored[n]) for n in published)  # the step moved the weights
+        model, loaded_tok = load_version(v1)
+        assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+        assert loaded_tok.chat_template == tok.chat_template and loaded_tok.eos_token_id == 2
+        assert model.generation_config.eos_token_id == 2
+    finally:
+        db.close()
