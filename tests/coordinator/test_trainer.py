@@ -577,3 +577,41 @@ def test_real_model_loads_bf16_version_0_as_float32_and_publishes_bf16_with_its_
         assert model.generation_config.eos_token_id == 2
     finally:
         db.close()
+
+
+def test_padding_is_masked_by_the_attention_mask_when_the_pad_id_is_eos(smollm2_dir):
+    """SmolLM2 pads with EOS (2), which also ends every completion: each row's log-probs in a padded
+    batch are its log-probs alone, the final EOS included."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from veriroll.coordinator.trainer import (
+        GroupRecord,
+        SampleRecord,
+        build_batch,
+        completion_logprobs,
+        micro_batches,
+    )
+
+    torch.set_num_threads(1)
+    tok = AutoTokenizer.from_pretrained(str(smollm2_dir))
+    assert tok.pad_token_id == tok.eos_token_id == 2
+    model = AutoModelForCausalLM.from_pretrained(str(smollm2_dir)).eval()
+    groups = []
+    for g, spec in enumerate(real_groups(tok, 2, 3, 9, seed=3)):
+        prompt = np.array(spec["prompt"][: len(spec["prompt"]) - 3 * g], dtype=np.int32)  # ragged prompts too
+        samples = [SampleRecord(np.array(t, dtype=np.int32), np.array(lp, dtype=np.float32), None, r)
+                   for (t, lp), r in zip(spec["samples"], spec["rewards"], strict=True)]
+        groups.append(GroupRecord(g, "math", 0, 0.7, 0, prompt, samples))
+    batch, _ = build_batch(groups, [0, 0], pad_id=tok.pad_token_id)
+    # EOS, padding and the chat template's end of turn (<|im_end|>, inside every prompt) share one id:
+    # masking by id would hide the prompt's turn ends from attention and change every log-prob.
+    assert all(tok.eos_token_id in g.prompt_ids.tolist() for g in groups)
+    assert (batch.input_ids == tok.pad_token_id).sum() > batch.size
+    with torch.no_grad():
+        together, _ = completion_logprobs(model, batch)
+        alone = [completion_logprobs(model, row)[0] for row in micro_batches(batch, 1)]  # one row, no padding
+    order = torch.argsort(batch.attention_mask.sum(1), stable=True).tolist()  # micro_batches' row order
+    for row, logp in zip(order, alone, strict=True):
+        n = int(batch.response_mask[row].sum())
+        assert batch.completion_ids[row, n - 1] == tok.eos_token_id and logp.shape[1] == n
+        torch.testing.assert_close(together[row, :n], logp[0], rtol=0, atol=2e-4)
