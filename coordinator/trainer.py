@@ -782,8 +782,12 @@ class Trainer:
         version = max([self.version, *on_disk]) + 1
         self.staging_dir.mkdir(parents=True, exist_ok=True)
         tmp = self.staging_dir / f"v{version:06d}-{int(self.clock() * 1000)}"
+        started = time.perf_counter()
         write_policy_version(self.model, self.policy_store.version_dir(on_disk[0]), tmp, self.publish_dtype)
-        self.policy_store.install(tmp, version)
+        dest = self.policy_store.install(tmp, version)
+        size = sum(f.stat().st_size for f in dest.iterdir() if f.is_file())
+        log.info("wrote version %d (%s, %.1f MB) in %.2f s", version, self.cfg.model_dtype, size / 1e6,
+                 time.perf_counter() - started)
         return version
 
     def _record(self, groups, staleness, signal, m: dict, started: float, new_version: int | None) -> dict:

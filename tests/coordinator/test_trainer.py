@@ -615,3 +615,26 @@ def test_padding_is_masked_by_the_attention_mask_when_the_pad_id_is_eos(smollm2_
         n = int(batch.response_mask[row].sum())
         assert batch.completion_ids[row, n - 1] == tok.eos_token_id and logp.shape[1] == n
         torch.testing.assert_close(together[row, :n], logp[0], rtol=0, atol=2e-4)
+
+
+def test_versions_are_written_and_published_off_the_event_loop(tmp_path, caplog):
+    """The checkpoint write runs in the trainer's worker thread and shardcast's hashing in a worker
+    thread of the loop: the event loop that serves intake never does either."""
+    import threading
+
+    base = make_coordinator_dir(tmp_path, {"trainer.enabled": True, "trainer.groups_per_step": 2,
+                                           "trainer.min_groups": 2, "shardcast.origin_port": 0})
+
+    async def scenario():
+        async with running_coordinator(base) as coord:
+            await coord.db.run(lambda c: [insert_group(c, **SIGNAL) for _ in range(2)])
+            await wait_for(coord, lambda: coord.service.policy.manifest_path == "/versions/1/manifest")
+            return threading.current_thread().name
+
+    with caplog.at_level(logging.INFO):
+        loop_thread = asyncio.run(scenario())
+    wrote = [r for r in caplog.records if r.getMessage().startswith("wrote version 1 ")]
+    published = [r for r in caplog.records if r.name.startswith("veriroll.shardcast")
+                 and r.getMessage().startswith("published version 1:")]
+    assert len(wrote) == 1 and wrote[0].threadName.startswith("veriroll-trainer")
+    assert len(published) == 1 and published[0].threadName not in (loop_thread, wrote[0].threadName)
