@@ -638,3 +638,30 @@ def test_versions_are_written_and_published_off_the_event_loop(tmp_path, caplog)
                  and r.getMessage().startswith("published version 1:")]
     assert len(wrote) == 1 and wrote[0].threadName.startswith("veriroll-trainer")
     assert len(published) == 1 and published[0].threadName not in (loop_thread, wrote[0].threadName)
+
+
+@pytest.mark.slow
+def test_smollm2_step_at_the_smoke_settings_stays_under_6_gb(smollm2_dir):
+    """A fresh process loads SmolLM2-135M like the trainer, takes two AdamW steps on 8 samples x 48
+    tokens after a chat prompt (micro_batch_tokens 1024, gradient checkpointing on) and publishes the
+    weights in bf16; its peak RSS (ru_maxrss) stays below 6 GB and every weight tensor moved."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    proc = subprocess.run([sys.executable, str(root / "benchmarks" / "trainer_memory.py"), "--quick",
+                           "--model", str(smollm2_dir), "--micro-batch-tokens", "1024", "--gradient-checkpointing",
+                           "--publish", "bfloat16"],
+                          capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=root)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    print(f"\nSmolLM2-135M trainer at the smoke settings: peak RSS {result['trainer_peak_rss_mb']:.0f} MB "
+          f"(after a bf16 publish {result['publish'][0]['peak_rss_mb']:.0f} MB), step {result['step_s']:.1f} s")
+    assert result["samples"] == 8 and result["gradient_checkpointing"] is True
+    assert result["weights_changed"] == 272  # every parameter tensor of SmolLM2-135M (tied head counted once)
+    assert result["trainer_peak_rss_mb"] < 6000
+    assert result["publish"][0]["peak_rss_mb"] < 6000
+    assert result["publish"][0]["bytes"] < 300e6  # bf16: half of the 538 MB float32 weights, plus tokenizer files
