@@ -289,16 +289,38 @@ def stop_token_ids(checkpoint_dir: str | os.PathLike) -> list[int]:
     return tokenizer_facts(AutoTokenizer.from_pretrained(str(d)), config, gen).stop_token_ids
 
 
-def save_pretrained_checkpoint(model, tokenizer, out_dir: str | os.PathLike, *, max_shard_size: str = MAX_SHARD_SIZE) -> Path:
-    """Write model + tokenizer as an HF directory at ``out_dir`` atomically (temp sibling, fsync, rename)."""
+WEIGHT_FILE_SUFFIXES = (".safetensors", ".safetensors.index.json", ".bin", ".bin.index.json", ".pt", ".pth", ".gguf")
+"""Files of a checkpoint directory that hold (or index) weights; everything else in it travels with them."""
+
+
+def save_pretrained_checkpoint(model, tokenizer, out_dir: str | os.PathLike, *, max_shard_size: str = MAX_SHARD_SIZE,
+                               dtype: torch.dtype | None = None) -> Path:
+    """Write model + tokenizer as an HF directory at ``out_dir`` atomically (temp sibling, fsync, rename).
+
+    ``tokenizer`` is a tokenizer object (saved with ``save_pretrained``) or a checkpoint directory whose
+    non-weight files (tokenizer files, chat template, ``generation_config.json``, special tokens map, ...)
+    are copied byte for byte: re-saving a tokenizer through transformers may rewrite its class name or
+    template, and a published version must keep version 0's exactly. ``config.json`` and the weights
+    always come from ``model``.
+
+    ``dtype`` (default: the model's own) is the dtype of the written weights; the model is not touched.
+    Casting costs one copy of the weights in ``dtype`` while they are written (tied weights share it).
+    """
     out = Path(out_dir)
     if out.exists():
         raise FileExistsError(f"{out} exists; a checkpoint directory is written once (choose a new one)")
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
-        model.save_pretrained(tmp, max_shard_size=max_shard_size)
-        tokenizer.save_pretrained(tmp)
+        state_dict = _state_dict_in(model, dtype)
+        model.save_pretrained(tmp, max_shard_size=max_shard_size, state_dict=state_dict)
+        del state_dict
+        if dtype is not None:
+            _set_config_dtype(tmp / "config.json", dtype)
+        if isinstance(tokenizer, (str, os.PathLike)):
+            _copy_non_weight_files(Path(tokenizer), tmp)
+        else:
+            tokenizer.save_pretrained(tmp)
         for path in sorted(tmp.rglob("*")):
             if path.is_file():
                 with open(path, "rb") as f:
@@ -313,6 +335,47 @@ def save_pretrained_checkpoint(model, tokenizer, out_dir: str | os.PathLike, *, 
     finally:
         os.close(fd)
     return out
+
+
+def _state_dict_in(model, dtype: torch.dtype | None) -> dict | None:
+    """The model's state dict with floating tensors cast to ``dtype`` (``None``: no cast needed)."""
+    if dtype is None:
+        return None
+    state = model.state_dict()
+    if all(not t.is_floating_point() or t.dtype == dtype for t in state.values()):
+        return None
+    cast: dict[tuple, torch.Tensor] = {}
+    out = {}
+    for name, t in state.items():
+        if not t.is_floating_point() or t.dtype == dtype:
+            out[name] = t
+            continue
+        # Tied weights (the embedding and the LM head) share storage: they must share the cast copy
+        # too, or save_pretrained would see two different tensors and write the head twice.
+        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()))
+        if key not in cast:
+            cast[key] = t.detach().to(dtype)
+        out[name] = cast[key]
+    return out
+
+
+def _set_config_dtype(config_path: Path, dtype: torch.dtype) -> None:
+    # save_pretrained records the dtype of the model in memory (float32 master weights); loaders that
+    # read "dtype": "auto" must see what the files hold.
+    config = json.loads(config_path.read_text())
+    config["dtype"] = str(dtype).removeprefix("torch.")
+    if "torch_dtype" in config:  # the name before transformers 5
+        config["torch_dtype"] = config["dtype"]
+    config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
+def _copy_non_weight_files(src: Path, dst: Path) -> None:
+    if not (src / "config.json").is_file():
+        raise FileNotFoundError(f"{src} is not a checkpoint directory (no config.json) to take tokenizer files from")
+    for path in sorted(src.iterdir()):
+        if (path.is_file() and not path.name.startswith(".") and path.name != "config.json"
+                and not path.name.endswith(WEIGHT_FILE_SUFFIXES)):
+            shutil.copyfile(path, dst / path.name)  # overwrites the generation_config.json save_pretrained wrote
 
 
 def cache_root() -> Path:

@@ -11,6 +11,7 @@ import time
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from support import make_coordinator_dir, running_coordinator
 
 from veriroll.coordinator import store as st
@@ -338,3 +339,329 @@ def test_groups_reset_by_a_resume_count_staleness_from_the_restored_version():
     # ...but group 2 was reset by a resume to the checkpoint of version 5: it is fresh against that.
     fresh, stale = select_groups(conn, 8, 2, 16, {2: 5})
     assert fresh == [(2, 0)] and stale == [(1, 7)]
+
+
+# ---------------------------------------------------------------------------------------------------
+# The step's memory options on a tiny Llama: gradient checkpointing, bf16 autocast
+
+
+def tiny_model(seed: int = 0):
+    from veriroll.coordinator.model_factory import build_char_tokenizer, build_tiny_model
+
+    return build_tiny_model(build_char_tokenizer("0123456789+="), layers=2, hidden=64, heads=4, seed=seed)
+
+
+def tiny_batch(groups: int = 4):
+    """``groups`` groups of four, ragged prompts and completions, rewards varying inside each group."""
+    from veriroll.coordinator.trainer import GroupRecord, SampleRecord, build_batch
+
+    rng = np.random.default_rng(1)
+    out = []
+    for g in range(groups):
+        prompt = np.array([1, *rng.integers(4, 16, size=2 + g % 3)], dtype=np.int32)
+        samples = [SampleRecord(rng.integers(4, 16, size=2 + (g + i) % 4).astype(np.int32),
+                                (-rng.uniform(0.5, 3.0, size=2 + (g + i) % 4)).astype(np.float32), None, float(i % 2))
+                   for i in range(4)]
+        out.append(GroupRecord(g, "arithmetic", 0, 1.0, 0, prompt, samples))
+    batch, keep = build_batch(out, [0] * groups)
+    assert bool(keep.all())
+    return batch
+
+
+def sgd_update(model, cfg, batch) -> tuple[dict, dict[str, torch.Tensor]]:
+    """The step's diagnostics and its parameter update under SGD(lr=1): the clipped gradient, negated."""
+    from veriroll.coordinator.trainer import train_step
+
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    metrics = train_step(model, torch.optim.SGD(model.parameters(), lr=1.0), batch, cfg, s_max=2)
+    return metrics, {n: p.detach() - before[n] for n, p in model.named_parameters()}
+
+
+def test_gradient_checkpointing_recomputes_layers_and_gives_the_same_gradients():
+    from veriroll.coordinator.config import TrainerConfig
+
+    torch.set_num_threads(1)
+    batch = tiny_batch()
+    results = {}
+    for checkpointing in (False, True):
+        model = tiny_model()
+        calls = []
+        model.model.layers[0].self_attn.register_forward_pre_hook(lambda *_, calls=calls: calls.append(1))
+        cfg = TrainerConfig(gradient_checkpointing=checkpointing, autocast="off", micro_batch_tokens=10_000)
+        metrics, update = sgd_update(model, cfg, batch)
+        results[checkpointing] = metrics, update, len(calls), model.is_activation_checkpointing
+    (m0, u0, calls0, on0), (m1, u1, calls1, on1) = results[False], results[True]
+    # Checkpointing runs each layer's forward again in the backward: its attention is called twice.
+    assert (on0, calls0) == (False, 1) and (on1, calls1) == (True, 2)
+    assert m1["loss"] == pytest.approx(m0["loss"], rel=1e-6) and m1["grad_norm"] == pytest.approx(m0["grad_norm"], rel=1e-5)
+    assert any(u.abs().max() > 1e-4 for u in u0.values())
+    for name in u0:
+        torch.testing.assert_close(u1[name], u0[name], rtol=0, atol=1e-5, msg=name)
+
+
+def test_bf16_autocast_step_keeps_float32_weights_and_moves_them_like_float32():
+    from veriroll.coordinator.config import TrainerConfig
+    from veriroll.coordinator.trainer import autocast_dtype
+
+    torch.set_num_threads(1)
+    assert autocast_dtype("auto", "cpu") is None and autocast_dtype("off", "cpu") is None
+    assert autocast_dtype("bfloat16", "cpu") is torch.bfloat16
+    batch = tiny_batch()
+    updates = {}
+    for setting in ("off", "bfloat16"):
+        model = tiny_model()
+        seen = []
+        # The dtype the first layer's attention projection computes in: bf16 under autocast.
+        model.model.layers[0].self_attn.q_proj.register_forward_hook(lambda m, i, o, seen=seen: seen.append(o.dtype))
+        metrics, updates[setting] = sgd_update(model, TrainerConfig(autocast=setting), batch)
+        assert np.isfinite(metrics["loss"]) and metrics["grad_norm"] > 0
+        assert seen[0] == (torch.bfloat16 if setting == "bfloat16" else torch.float32)
+        assert all(p.dtype == torch.float32 for p in model.parameters())  # master weights stay float32
+    changed = [n for n, u in updates["bfloat16"].items() if u.abs().max() > 0]
+    assert len(changed) == len(updates["bfloat16"])
+    # bf16 rounds the activations (8 bits of mantissa): the update points the same way as float32's.
+    flat = {k: torch.cat([u.flatten() for u in v.values()]) for k, v in updates.items()}
+    assert F.cosine_similarity(flat["off"], flat["bfloat16"], dim=0) > 0.99
+
+
+# ---------------------------------------------------------------------------------------------------
+# Published versions: the operator's dtype, version 0's tokenizer files
+
+
+WEIGHT_SUFFIXES = (".safetensors", ".safetensors.index.json")
+
+
+def non_weight_files(d) -> dict[str, bytes]:
+    """Every file of a version directory but its weights and config.json, by name, with its bytes."""
+    return {p.name: p.read_bytes() for p in d.iterdir()
+            if p.is_file() and p.name != "config.json" and not p.name.endswith(WEIGHT_SUFFIXES)}
+
+
+def safetensors_weights(d) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    out = {}
+    for f in sorted(d.glob("*.safetensors")):
+        out.update(load_file(f))
+    return out
+
+
+def load_version(d, dtype="auto"):
+    """A published version as a node or the verifier loads it: AutoModelForCausalLM + AutoTokenizer."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from veriroll.coordinator.models import _dtype_kwarg
+
+    return AutoModelForCausalLM.from_pretrained(str(d), **{_dtype_kwarg(): dtype}), AutoTokenizer.from_pretrained(str(d))
+
+
+@pytest.mark.parametrize("model_dtype", ["float32", "bfloat16"])
+def test_tiny_preset_versions_are_published_in_the_operators_dtype_with_version_0s_tokenizer(trainer_env, model_dtype):
+    trainer, db = trainer_env({"model_dtype": model_dtype})
+    trainer.resume()
+    add_groups(db, [SIGNAL] * 2)
+    assert trainer.step().published == 1
+    v0, v1 = trainer.policy_store.version_dir(0), trainer.policy_store.version_dir(1)
+    # The char tokenizer's files (tokenizer_class PreTrainedTokenizerFast) are version 0's, byte for byte.
+    assert non_weight_files(v1) == non_weight_files(v0) and "tokenizer.json" in non_weight_files(v1)
+    assert b"PreTrainedTokenizerFast" in non_weight_files(v1)["tokenizer_config.json"]
+    want = getattr(torch, model_dtype)
+    model, tok = load_version(v1)
+    assert {p.dtype for p in model.parameters()} == {want}
+    assert tok.encode("1+2=") == trainer.policy_store.tokenizer.encode("1+2=")
+    # The file holds the trainer's float32 weights rounded to the configured dtype; the trainer keeps float32.
+    published = safetensors_weights(v1)
+    trained = dict(trainer.model.state_dict())
+    assert all(p.dtype == torch.float32 for p in trainer.model.parameters())
+    for name, t in published.items():
+        assert t.dtype == want, name
+        assert torch.equal(t, trained[name].to(want)), name
+    assert any(not torch.equal(published[n], safetensors_weights(v0)[n].to(want)) for n in published)
+
+
+def link_model(src, dst) -> None:
+    """``dst`` as a directory of symlinks to ``src``'s files (the 538 MB model is not copied)."""
+    dst.mkdir(parents=True)
+    for p in src.iterdir():
+        (dst / p.name).symlink_to(p)
+
+
+def smollm2_trainer(tmp_path, smollm2_dir, overrides: dict, *, v0_dtype: str = "float32"):
+    """A Trainer whose version 0 is SmolLM2-135M-Instruct, stored in ``v0_dtype``."""
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    from veriroll.coordinator.models import DTYPES, save_pretrained_checkpoint
+
+    base = make_coordinator_dir(tmp_path, {"trainer.groups_per_step": 2, "trainer.min_groups": 2, **overrides})
+    cfg = load_coordinator_config(base)
+    store = PolicyStore(base / cfg.checkpoints)
+    shutil.rmtree(store.version_dir(0))
+    if v0_dtype == "float32":
+        link_model(smollm2_dir, store.version_dir(0))
+    else:
+        model = AutoModelForCausalLM.from_pretrained(str(smollm2_dir))
+        save_pretrained_checkpoint(model, smollm2_dir, store.version_dir(0), dtype=DTYPES[v0_dtype])
+        del model
+    db = st.Database(base / cfg.database)
+    return Trainer(cfg, db, store), db
+
+
+def chat_prompt(tok, text: str) -> list[int]:
+    ids = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True)
+    return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+
+
+def real_groups(tok, n_groups: int, group_size: int, completion_len: int, *, seed: int = 0) -> list[dict]:
+    """Groups for ``insert_group``: a chat prompt, random completions ending in EOS (= the pad id),
+    rewards that vary inside each group so every sample has a non-zero advantage."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for g in range(n_groups):
+        samples = []
+        for i in range(group_size):
+            n = completion_len - (i % 3)
+            tokens = [*rng.integers(100, tok.vocab_size, size=n - 1).tolist(), tok.eos_token_id]
+            samples.append((tokens, (-rng.uniform(5.0, 12.0, size=n)).tolist()))
+        out.append({"rewards": [float(i % 2) for i in range(group_size)], "samples": samples,
+                    "prompt": chat_prompt(tok, f"What is {g} + {g + 1}? Think step by step.")})
+    return out
+
+
+def insert_real_groups(db, groups: list[dict]) -> list[int]:
+    def op(conn):
+        ids = []
+        for g in groups:
+            gid = insert_group(conn, g["rewards"], samples=g["samples"])
+            pid = conn.execute("SELECT prompt_id FROM groups WHERE group_id = ?", (gid,)).fetchone()[0]
+            conn.execute("UPDATE prompts SET prompt_ids = ? WHERE prompt_id = ?", (st.pack_i32(g["prompt"]), pid))
+            ids.append(gid)
+        return ids
+
+    return db.run_sync(op)
+
+
+def test_real_model_loads_bf16_version_0_as_float32_and_publishes_bf16_with_its_own_tokenizer(tmp_path, smollm2_dir):
+    trainer, db = smollm2_trainer(tmp_path, smollm2_dir, {"model_dtype": "bfloat16", "trainer.lr": 1e-4,
+                                                          "trainer.micro_batch_tokens": 256,
+                                                          "trainer.gradient_checkpointing": True,
+                                                          "trainer.kl_coef": 0.01}, v0_dtype="bfloat16")
+    try:
+        torch.set_num_threads(1)
+        trainer.resume()
+        v0 = trainer.policy_store.version_dir(0)
+        stored = safetensors_weights(v0)
+        assert {t.dtype for t in stored.values()} == {torch.bfloat16}
+        # bf16 on disk, float32 in the trainer (policy and KL reference alike): the master weights.
+        for model in (trainer.model, trainer.ref_model):
+            assert {p.dtype for p in model.parameters()} == {torch.float32}
+            assert torch.equal(model.state_dict()["model.embed_tokens.weight"],
+                               stored["model.embed_tokens.weight"].float())
+        tok = trainer.policy_store.tokenizer
+        assert tok.pad_token_id == tok.eos_token_id == 2
+        insert_real_groups(db, real_groups(tok, 2, 4, 12))
+        out = trainer.step()
+        assert out.published == 1 and np.isfinite(out.metrics["loss"]) and out.metrics["grad_norm"] > 0
+        v1 = trainer.policy_store.version_dir(1)
+        files = non_weight_files(v1)
+        assert files == non_weight_files(v0)
+        assert {"tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"} <= set(files)
+        published = safetensors_weights(v1)
+        assert published.keys() == stored.keys()  # the tied LM head is not written twice
+        assert {t.dtype for t in published.values()} == {torch.bfloat16}
+        assert any(not torch.equal(published[n], stored[n]) for n in published)  # the step moved the weights
+        model, loaded_tok = load_version(v1)
+        assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+        assert loaded_tok.chat_template == tok.chat_template and loaded_tok.eos_token_id == 2
+        assert model.generation_config.eos_token_id == 2
+    finally:
+        db.close()
+
+
+def test_padding_is_masked_by_the_attention_mask_when_the_pad_id_is_eos(smollm2_dir):
+    """SmolLM2 pads with EOS (2), which also ends every completion: each row's log-probs in a padded
+    batch are its log-probs alone, the final EOS included."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from veriroll.coordinator.trainer import (
+        GroupRecord,
+        SampleRecord,
+        build_batch,
+        completion_logprobs,
+        micro_batches,
+    )
+
+    torch.set_num_threads(1)
+    tok = AutoTokenizer.from_pretrained(str(smollm2_dir))
+    assert tok.pad_token_id == tok.eos_token_id == 2
+    model = AutoModelForCausalLM.from_pretrained(str(smollm2_dir)).eval()
+    groups = []
+    for g, spec in enumerate(real_groups(tok, 2, 3, 9, seed=3)):
+        prompt = np.array(spec["prompt"][: len(spec["prompt"]) - 3 * g], dtype=np.int32)  # ragged prompts too
+        samples = [SampleRecord(np.array(t, dtype=np.int32), np.array(lp, dtype=np.float32), None, r)
+                   for (t, lp), r in zip(spec["samples"], spec["rewards"], strict=True)]
+        groups.append(GroupRecord(g, "math", 0, 0.7, 0, prompt, samples))
+    batch, _ = build_batch(groups, [0, 0], pad_id=tok.pad_token_id)
+    # EOS, padding and the chat template's end of turn (<|im_end|>, inside every prompt) share one id:
+    # masking by id would hide the prompt's turn ends from attention and change every log-prob.
+    assert all(tok.eos_token_id in g.prompt_ids.tolist() for g in groups)
+    assert (batch.input_ids == tok.pad_token_id).sum() > batch.size
+    with torch.no_grad():
+        together, _ = completion_logprobs(model, batch)
+        alone = [completion_logprobs(model, row)[0] for row in micro_batches(batch, 1)]  # one row, no padding
+    order = torch.argsort(batch.attention_mask.sum(1), stable=True).tolist()  # micro_batches' row order
+    for row, logp in zip(order, alone, strict=True):
+        n = int(batch.response_mask[row].sum())
+        assert batch.completion_ids[row, n - 1] == tok.eos_token_id and logp.shape[1] == n
+        torch.testing.assert_close(together[row, :n], logp[0], rtol=0, atol=2e-4)
+
+
+def test_versions_are_written_and_published_off_the_event_loop(tmp_path, caplog):
+    """The checkpoint write runs in the trainer's worker thread and shardcast's hashing in a worker
+    thread of the loop: the event loop that serves intake never does either."""
+    import threading
+
+    base = make_coordinator_dir(tmp_path, {"trainer.enabled": True, "trainer.groups_per_step": 2,
+                                           "trainer.min_groups": 2, "shardcast.origin_port": 0})
+
+    async def scenario():
+        async with running_coordinator(base) as coord:
+            await coord.db.run(lambda c: [insert_group(c, **SIGNAL) for _ in range(2)])
+            await wait_for(coord, lambda: coord.service.policy.manifest_path == "/versions/1/manifest")
+            return threading.current_thread().name
+
+    with caplog.at_level(logging.INFO):
+        loop_thread = asyncio.run(scenario())
+    wrote = [r for r in caplog.records if r.getMessage().startswith("wrote version 1 ")]
+    published = [r for r in caplog.records if r.name.startswith("veriroll.shardcast")
+                 and r.getMessage().startswith("published version 1:")]
+    assert len(wrote) == 1 and wrote[0].threadName.startswith("veriroll-trainer")
+    assert len(published) == 1 and published[0].threadName not in (loop_thread, wrote[0].threadName)
+
+
+@pytest.mark.slow
+def test_smollm2_step_at_the_smoke_settings_stays_under_6_gb(smollm2_dir):
+    """A fresh process loads SmolLM2-135M like the trainer, takes two AdamW steps on 8 samples x 48
+    tokens after a chat prompt (micro_batch_tokens 1024, gradient checkpointing on) and publishes the
+    weights in bf16; its peak RSS (ru_maxrss) stays below 6 GB and every weight tensor moved."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    proc = subprocess.run([sys.executable, str(root / "benchmarks" / "trainer_memory.py"), "--quick",
+                           "--model", str(smollm2_dir), "--micro-batch-tokens", "1024", "--gradient-checkpointing",
+                           "--publish", "bfloat16"],
+                          capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=root)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    print(f"\nSmolLM2-135M trainer at the smoke settings: peak RSS {result['trainer_peak_rss_mb']:.0f} MB "
+          f"(after a bf16 publish {result['publish'][0]['peak_rss_mb']:.0f} MB), step {result['step_s']:.1f} s")
+    assert result["samples"] == 8 and result["gradient_checkpointing"] is True
+    assert result["weights_changed"] == 272  # every parameter tensor of SmolLM2-135M (tied head counted once)
+    assert result["trainer_peak_rss_mb"] < 6000
+    assert result["publish"][0]["peak_rss_mb"] < 6000
+    assert result["publish"][0]["bytes"] < 300e6  # bf16: half of the 538 MB float32 weights, plus tokenizer files
