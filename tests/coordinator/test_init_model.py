@@ -127,3 +127,35 @@ def test_stop_tokens_include_the_chat_templates_end_of_turn(smollm2_dir, tmp_pat
     facts = tokenizer_facts(tok, {**config, "eos_token_id": 0}, {})
     assert 2 in facts.stop_token_ids and 0 in facts.stop_token_ids and facts.has_chat_template
     shutil.rmtree(tmp_path, ignore_errors=True)
+
+
+@pytest.mark.parametrize("case", ["wrong_columns", "empty", "missing_file"])
+def test_bad_dataset_files_are_refused_before_anything_is_written(tmp_path, capsys, case):
+    src = build_tiny_checkpoint(tmp_path / "tiny")
+    data = tmp_path / "problems.jsonl"
+    if case == "wrong_columns":
+        data.write_text(json.dumps({"prompt": "1+1?", "solution": "2"}) + "\n")
+    elif case == "empty":
+        data.write_text("")
+    assert _init(tmp_path, "--model", str(src), "--env", "math", "--env-arg", f"data={data}") == 2
+    err = capsys.readouterr().err
+    assert "environment 'math'" in err and {"wrong_columns": "question", "empty": "empty",
+                                             "missing_file": "problems.jsonl"}[case] in err, err
+    assert not (tmp_path / "coord").exists()
+
+
+def test_a_dataset_file_with_renamed_columns_is_accepted(tmp_path, capsys):
+    src = build_tiny_checkpoint(tmp_path / "tiny")
+    data = tmp_path / "problems.csv"
+    data.write_text("problem,solution\nWhat is 2+3?,5\nWhat is 4+4?,8\n")
+    assert _init(tmp_path, "--model", str(src), "--env", "math", "--env-arg", f"data={data}",
+                 "--env-arg", "question_column=problem", "--env-arg", "answer_column=solution") == 0
+    cfg = (tmp_path / "coord" / "coordinator.toml").read_text()
+    assert "question_column" in cfg and "problem" in cfg
+
+
+def test_an_instruct_prompt_for_a_tokenizer_without_a_chat_template_is_refused(tmp_path, capsys):
+    src = build_tiny_checkpoint(tmp_path / "tiny")  # the char-level tokenizer has no chat template
+    assert _init(tmp_path, "--model", str(src), "--env", "math", "--set", "environment.chat_template=always") == 2
+    assert "no chat template" in capsys.readouterr().err
+    assert not (tmp_path / "coord").exists()
