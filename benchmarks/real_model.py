@@ -30,6 +30,7 @@ Figures (the last stdout line is one JSON object; human lines go to stderr):
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import random
@@ -222,14 +223,13 @@ def draw_costs() -> dict:
     return {"draw_ms_per_token_v152k": out}
 
 
-def honest_section(model_dir: Path, prompts: Prompts, groups: int, n: int, max_new: int) -> tuple[dict, list]:
+def honest_section(model_dir: Path, prompts: Prompts, groups: int, n: int, max_new: int) -> dict:
     """Honest groups from fp32 and bf16 nodes, judged by fp32 and bf16 verifiers."""
     verifiers = {d: verifier_for({0: model_dir}, d) for d in ("float32", "bfloat16")}
     pairs = {"float32": ["float32"], "bfloat16": ["bfloat16", "float32"]}
     counts: dict = defaultdict(lambda: {"samples": 0, "samples_ge64": 0, "groups": 0, "false_rejections": 0, "rejected": []})
     worst: dict = {}
     timing: dict = defaultdict(lambda: {"generate_s": 0.0, "verify_s": 0.0})
-    kept_groups = []  # (prompt_ids, lease, results, node dtype) for the attacks that reuse honest groups
     for node_dtype, verifier_dtypes in pairs.items():
         engine = TorchEngine(model_dir, 0, threads=1, dtype=node_dtype)
         small = TorchEngine(model_dir, 0, threads=1, dtype=node_dtype, max_batch_tokens=3 * (max_new + 80))
@@ -238,7 +238,12 @@ def honest_section(model_dir: Path, prompts: Prompts, groups: int, n: int, max_n
             p1, ids1 = prompts.draw()
             seeds = [random.getrandbits(63) for _ in range(n)]
             lease = make_lease(ids1, seeds, 1.0, max_new, lease_id=f"{node_dtype}-{g}")
-            req = GenerationRequest(prompt_ids=ids1, seeds=seeds, temperature=1.0, max_new_tokens=max_new, stop_token_ids=STOP)
+            if variant != "alone":
+                lease = dataclasses.replace(lease, stop_token_ids=())
+            # Groups generated alone stop at <|im_end|> (samples end early: right padding at the verifier);
+            # the others run the full length, so most samples are long (the >= 64-token count is reported).
+            stop = STOP if variant == "alone" else []
+            req = GenerationRequest(prompt_ids=ids1, seeds=seeds, temperature=1.0, max_new_tokens=max_new, stop_token_ids=stop)
             t0 = time.perf_counter()
             if variant == "batched":  # another prompt (another length: left padding) in the same batch
                 _, ids2 = prompts.draw()
@@ -251,7 +256,6 @@ def honest_section(model_dir: Path, prompts: Prompts, groups: int, n: int, max_n
                 results = engine.generate([req])[0]
             gen_s = time.perf_counter() - t0
             results = as_dicts(results)
-            kept_groups.append((ids1, lease, results, node_dtype))
             for vd in verifier_dtypes:
                 key = f"{node_dtype}/{vd}"
                 sub = to_submission(lease, results, node_dtype)
@@ -284,7 +288,7 @@ def honest_section(model_dir: Path, prompts: Prompts, groups: int, n: int, max_n
     }
     log(f"honest: {out['honest_samples']} samples ({out['honest_samples_ge64_tokens']} of >= 64 tokens), "
         f"{out['false_rejections']} false rejections; verify_fraction {out['verify_fraction']}")
-    return out, kept_groups
+    return out
 
 
 def one_rl_step(model_dir: Path, out_dir: Path, lr: float, prompts: Prompts, n: int, max_new: int) -> Path:
@@ -326,8 +330,9 @@ def perturbed_model_dir(model_dir: Path, out_dir: Path, rel: float) -> Path:
     return out_dir
 
 
-def attack_section(model_dir: Path, prompts: Prompts, kept, groups: int, n: int, max_new: int, work: Path, lr: float) -> dict:
+def attack_section(model_dir: Path, prompts: Prompts, groups: int, n: int, max_new: int, work: Path, lr: float) -> dict:
     v1 = one_rl_step(model_dir, work / "v1", lr, prompts, n, max_new)
+    bf16_engine = TorchEngine(model_dir, 0, threads=1, dtype="bfloat16")
     noisy = perturbed_model_dir(model_dir, work / "noisy", 1e-3)
     verifier = verifier_for({0: model_dir, 1: v1}, "float32")
     honest_engine = TorchEngine(model_dir, 0, threads=1)
@@ -343,8 +348,6 @@ def attack_section(model_dir: Path, prompts: Prompts, kept, groups: int, n: int,
         detection[name].append(res.rejection is not None)
         caught_by[name][res.rejection.reason.value if res.rejection else "accepted"] += 1
 
-    fp32_groups = [k for k in kept if k[3] == "float32"]
-    bf16_groups = [k for k in kept if k[3] == "bfloat16"]
     for g in range(groups):
         prompt, ids = prompts.draw()
         seeds = [random.getrandbits(63) for _ in range(n)]
@@ -369,16 +372,18 @@ def attack_section(model_dir: Path, prompts: Prompts, kept, groups: int, n: int,
         judge("other_seed", lease, ids, as_dicts(gen(honest_engine, seeds=[s ^ 0x5A5A for s in seeds])))
         # Weights with 1e-3 relative noise.
         judge("weights_noise_1e-3", lease, ids, as_dicts(gen(noisy_engine)))
-        # Reused honest groups: version 0's group claimed as version 1; log-probs +0.1; bf16 as fp32.
-        ids0, lease0, res0, _ = fp32_groups[g % len(fp32_groups)]
-        judge("previous_version", lease0, ids0, res0, version=1)
-        judge("forged_logprobs_+0.1", lease0, ids0, [{**r, "logprobs": [x + 0.1 for x in r["logprobs"]]} for r in res0])
-        if bf16_groups:
-            ids_b, lease_b, res_b, _ = bf16_groups[g % len(bf16_groups)]
-            judge("bf16_claimed_as_fp32", lease_b, ids_b, res_b, dtype="float32")
+        # An honest version-0 group claimed as version 1 (one RL step later); the same with log-probs +0.1.
+        honest = as_dicts(gen(honest_engine))
+        judge("previous_version", lease, ids, honest, version=1)
+        judge("forged_logprobs_+0.1", lease, ids, [{**r, "logprobs": [x + 0.1 for x in r["logprobs"]]} for r in honest])
+        # An honest bf16 group (hidden states, tokens and log-probs of a bf16 engine) claimed as float32.
+        judge("bf16_claimed_as_fp32", lease, ids, as_dicts(gen(bf16_engine)), dtype="float32")
         log(f"attacks: {g + 1}/{groups} groups each")
     honest_engine.close()
     noisy_engine.close()
+    bf16_engine.close()
+    for name, v in detection.items():
+        log(f"attack {name}: detected {sum(v)}/{len(v)} ({dict(caught_by[name])})")
     return {"detection": {k: sum(v) / len(v) for k, v in detection.items()},
             "attack_groups": {k: len(v) for k, v in detection.items()},
             "caught_by": {k: dict(v) for k, v in caught_by.items()},
@@ -464,6 +469,7 @@ def rl_section(model_dir: Path, steps: int, prompts_per_step: int, n: int, max_n
         batch, _ = build_batch(groups, [0] * len(groups), pad_id=2)
         mean = float(np.mean([s.reward for g in groups for s in g.samples]))
         if batch is not None:
+            model.requires_grad_(True)  # the engine froze the shared model for generation
             train_step(model, optimizer, batch, cfg, 2)
             model.eval()
         history.append(round(mean, 4))
@@ -476,9 +482,9 @@ def rl_section(model_dir: Path, steps: int, prompts_per_step: int, n: int, max_n
 
 SIZES = {
     "quick": {"honest_groups": 3, "n": 8, "max_new": 72, "attack_groups": 2, "attack_n": 4, "overhead_batch": 8,
-              "overhead_tokens": 48, "rl_steps": 4, "rl_prompts": 4, "rl_n": 8, "rl_max_new": 48, "eval_prompts": 8},
-    "full": {"honest_groups": 36, "n": 16, "max_new": 80, "attack_groups": 20, "attack_n": 4, "overhead_batch": 16,
-             "overhead_tokens": 64, "rl_steps": 12, "rl_prompts": 8, "rl_n": 8, "rl_max_new": 64, "eval_prompts": 32},
+              "overhead_tokens": 48, "rl_steps": 3, "rl_prompts": 4, "rl_n": 8, "rl_max_new": 40, "eval_prompts": 6},
+    "full": {"honest_groups": 32, "n": 16, "max_new": 80, "attack_groups": 20, "attack_n": 4, "overhead_batch": 16,
+             "overhead_tokens": 64, "rl_steps": 10, "rl_prompts": 8, "rl_n": 8, "rl_max_new": 48, "eval_prompts": 24},
 }
 
 
@@ -494,6 +500,9 @@ def main(argv=None) -> int:
     ap.add_argument("--rl-lr", type=float, default=1e-5)
     ap.add_argument("--previous-lr", type=float, default=1e-6, help="lr of the one RL step behind 'previous_version'")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--parallel", action="store_true",
+                    help="run the honest matrix in a second process (one thread each: uses two cores)")
+    ap.add_argument("--only", choices=["honest"], help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     random.seed(args.seed)
@@ -508,14 +517,25 @@ def main(argv=None) -> int:
     prompts = Prompts(model_dir, seed=args.seed)
     result: dict = {"model": "SmolLM2-135M-Instruct", "mode": "quick" if args.quick else "full", "sizes": size,
                     "threads": 1}
+    if args.only == "honest":
+        print(json.dumps(honest_section(model_dir, prompts, size["honest_groups"], size["n"], size["max_new"]),
+                         default=float))
+        return 0
+    child = None
+    if args.parallel:
+        cmd = [sys.executable, __file__, "--only", "honest", "--seed", str(args.seed + 1)]
+        cmd += ["--quick"] if args.quick else []
+        cmd += ["--honest-groups", str(size["honest_groups"])]
+        child = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+        result["parallel"] = True
     result.update(draw_costs())
     result.update(engine_overhead(model_dir, prompts, size["overhead_batch"], size["overhead_tokens"]))
-    honest, kept = honest_section(model_dir, prompts, size["honest_groups"], size["n"], size["max_new"])
-    result.update(honest)
+    if child is None:
+        result.update(honest_section(model_dir, prompts, size["honest_groups"], size["n"], size["max_new"]))
     with tempfile.TemporaryDirectory(prefix="veriroll-real-") as tmp:
         work = Path(tmp)
         if not args.skip_attacks:
-            result.update(attack_section(model_dir, prompts, kept, size["attack_groups"], size["attack_n"],
+            result.update(attack_section(model_dir, prompts, size["attack_groups"], size["attack_n"],
                                          size["max_new"], work, args.previous_lr))
         if not args.skip_publish:
             result.update(publish_section(model_dir, work))
@@ -523,6 +543,11 @@ def main(argv=None) -> int:
     if not args.skip_rl:
         result.update(rl_section(model_dir, size["rl_steps"], size["rl_prompts"], size["rl_n"], size["rl_max_new"],
                                  size["eval_prompts"], args.rl_lr))
+    if child is not None:
+        out, _ = child.communicate()
+        if child.returncode != 0:
+            raise SystemExit(f"the honest matrix process failed with {child.returncode}")
+        result.update(json.loads(out.strip().splitlines()[-1]))
     result["seconds"] = round(time.perf_counter() - started, 1)
     print(json.dumps(result, default=float))
     return 0

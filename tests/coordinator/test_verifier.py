@@ -243,3 +243,30 @@ def test_hidden_states_are_read_at_the_lm_head_input(store):
     with torch.no_grad():
         base = engine.model.get_decoder()(input_ids=torch.tensor([prompt + completion])).last_hidden_state[0]
     assert torch.allclose(trusted.hidden[0], base[len(prompt) - 1 : -1], atol=1e-6)
+
+
+def test_a_bf16_node_is_judged_with_bf16_slack_under_a_float32_verifier_and_caught_when_it_claims_float32(store):
+    """The node declares its precision: a bfloat16 engine's groups pass an fp32 verifier when declared as
+    bfloat16 (the coarser precision's tolerances), and the same groups claimed as float32 are refused."""
+    verifier = TrustedVerifier(store, config(model_dtype="float32"))
+    engine = TorchEngine(store.version_dir(0), 0, dtype="bfloat16")
+    caught = 0
+    for req, results in honest_groups(engine):
+        sub = submission(results)
+        declared = dataclasses.replace(sub, compute_dtype="bfloat16")
+        assert verifier.verify_group(lease_for(req), req.prompt_ids, declared).rejection is None
+        claimed = verifier.verify_group(lease_for(req), req.prompt_ids, dataclasses.replace(sub, compute_dtype="float32"))
+        caught += claimed.rejection is not None
+    assert caught == 4
+
+
+def test_intake_accepts_only_the_configured_precisions():
+    from veriroll.coordinator.intake import check_dtype
+
+    sub = Submission("L", 0, [], "bfloat16")
+    assert check_dtype(sub, ["float32", "bfloat16"]) is None
+    refused = check_dtype(sub, ["float32"])
+    assert refused.reason == Reason.DTYPE_NOT_ACCEPTED and "bfloat16" in refused.detail
+    odd = check_dtype(dataclasses.replace(sub, compute_dtype="int4" * 100), ["float32"])
+    assert odd.reason == Reason.DTYPE_NOT_ACCEPTED and len(odd.detail) < 120  # a hostile string is cut
+    assert Submission.from_proto(pb.SubmitGroupRequest(lease_id="L")).compute_dtype == "float32"  # old nodes
