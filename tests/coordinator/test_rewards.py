@@ -133,3 +133,16 @@ def test_coordinator_accepts_a_group_whose_rewards_raise_or_hang_and_counts_them
             assert 'veriroll_reward_errors_total{kind="exception"} 1' in metrics_text
 
     asyncio.run(scenario())
+
+
+def test_groups_larger_than_a_request_go_in_chunks(flaky_spec, monkeypatch):
+    import veriroll.coordinator.rewards as rewards
+
+    monkeypatch.setattr(rewards, "CAPACITY", 2)  # shared result arrays of two samples
+    runner = RewardRunner(flaky_spec, timeout_s=0.5)
+    try:
+        out = runner.score_group(PROMPT, ["1", "2", "3", "4", "1"])
+        assert out.rewards == [1.0, 0.5, 0.0, 0.0, 1.0]
+        assert out.errors == [None, None, "exception", "timeout", None]
+    finally:
+        runner.close()
