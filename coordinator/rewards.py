@@ -23,6 +23,7 @@ export and log it; the group itself is scored and accepted as usual.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 import multiprocessing
@@ -163,9 +164,9 @@ class _Worker:
 class RewardRunner:
     """Scores groups in worker processes loaded from an environment spec, ``timeout_s`` per sample.
 
-    Thread-safe: up to ``workers`` groups are scored at once (one per worker); further callers wait
-    for a free worker. Workers start on first use, so a coordinator that never scores never pays for
-    them. :meth:`score_group` blocks: call it from a worker thread, never on the event loop.
+    Up to ``workers`` groups are scored at once (one per worker); further callers wait for a free
+    worker. Workers start on first use, so a coordinator that never scores never pays for them.
+    :meth:`score` is for the event loop; :meth:`score_group` blocks, for threads and plain code.
     """
 
     def __init__(self, spec: str, kwargs: dict | None = None, *, timeout_s: float = 5.0, workers: int = 1,
@@ -252,8 +253,8 @@ class RewardRunner:
             try:
                 what, index, detail = worker.conn.recv()
             except (EOFError, OSError):
-                exitcode = worker.process.exitcode
                 self._discard(worker)
+                exitcode = worker.process.exitcode  # known once joined: the pipe can close before
                 index = self._collect(worker, first, out, partial=True, details=details)
                 self._record(out, index, "crash", f"the reward worker exited (code {exitcode}) while scoring it")
                 return index + 1, None
@@ -262,6 +263,103 @@ class RewardRunner:
                 continue
             self._collect(worker, first, out, partial=False, count=len(chunk), details=details)
             return first + len(chunk), worker
+
+    async def score(self, prompt: Prompt, completions: list[str]) -> GroupRewards:
+        """:meth:`score_group` for the event loop: it waits on the worker's pipe as an I/O event, with no
+        thread in between (each thread hand-off costs the coordinator a GIL round trip per group)."""
+        n = len(completions)
+        out = GroupRewards(rewards=[0.0] * n, errors=[None] * n)
+        if n == 0:
+            return out
+        loop = asyncio.get_running_loop()
+        try:
+            worker = self._slots.get_nowait()
+        except queue.Empty:  # every worker is busy: wait for one without blocking the loop
+            worker = await loop.run_in_executor(None, self._slots.get)
+        try:
+            next_index = 0
+            while next_index < n:
+                if worker is None:
+                    try:
+                        worker = await loop.run_in_executor(None, self._start)  # spawning and loading take a while
+                    except RewardWorkerError as e:
+                        for i in range(next_index, n):
+                            self._record(out, i, "exception", str(e))
+                        break
+                next_index, worker = await self._run_async(worker, prompt, completions, next_index, out)
+        except BaseException:
+            # Cancelled mid-group (the node hung up): the worker is still scoring, and its answer
+            # would be read as the next group's. It goes; the slot gets a fresh one on next use.
+            if worker is not None:
+                self._discard(worker)
+                worker = None
+            raise
+        finally:
+            self._slots.put(worker)
+        with self._lock:
+            self.errors.update(kind for kind in out.errors if kind is not None)
+        return out
+
+    async def _run_async(self, worker: _Worker, prompt: Prompt, completions: list[str], first: int,
+                         out: GroupRewards) -> tuple[int, _Worker | None]:
+        """:meth:`_run` awaiting the pipe through the event loop's selector."""
+        loop = asyncio.get_running_loop()
+        chunk = completions[first:first + CAPACITY]
+        worker.progress[1] = time.monotonic()
+        worker.progress[0] = first
+        try:
+            worker.conn.send((prompt, chunk, first))
+        except (OSError, ValueError):
+            await loop.run_in_executor(None, self._discard, worker)
+            return first, None
+        # A bare future woken by the pipe's readiness or by the sample's deadline: cheaper per group
+        # than an Event with wait_for (which wraps each wait in a task).
+        waiting: list[asyncio.Future] = []
+
+        def wake() -> None:
+            if waiting and not waiting[0].done():
+                waiting[0].set_result(None)
+
+        fd = worker.conn.fileno()
+        loop.add_reader(fd, wake)
+        details: dict[int, str] = {}
+        failure = None
+        try:
+            while True:
+                if not worker.conn.poll(0):
+                    remaining = worker.progress[1] + self.timeout_s - time.monotonic()
+                    if remaining <= 0:
+                        failure = "timeout"
+                        break
+                    waiting[:] = [loop.create_future()]
+                    timer = loop.call_later(remaining, wake)
+                    try:
+                        await waiting[0]
+                    finally:
+                        timer.cancel()
+                    continue
+                try:
+                    what, index, detail = worker.conn.recv()
+                except (EOFError, OSError):
+                    failure = "crash"
+                    break
+                if what == "error":
+                    details[index] = detail
+                    continue
+                break
+        finally:
+            loop.remove_reader(fd)  # before the pipe can be closed by a kill
+        if failure is None:
+            self._collect(worker, first, out, partial=False, count=len(chunk), details=details)
+            return first + len(chunk), worker
+        await loop.run_in_executor(None, self._discard, worker)
+        exitcode = worker.process.exitcode
+        index = self._collect(worker, first, out, partial=True, details=details)
+        if failure == "timeout":
+            self._record(out, index, "timeout", f"no result within {self.timeout_s:g}s; worker killed and replaced")
+        else:
+            self._record(out, index, "crash", f"the reward worker exited (code {exitcode}) while scoring it")
+        return index + 1, None
 
     @staticmethod
     def _collect(worker: _Worker, first: int, out: GroupRewards, *, partial: bool, count: int = 0,

@@ -55,30 +55,64 @@ def flaky_spec(tmp_path, monkeypatch):
 PROMPT = Prompt(text="1+1=", answer="2", env="flaky")
 
 
-def test_raise_and_hang_score_zero_are_counted_and_the_next_group_is_normal(flaky_spec):
+def scored(runner: RewardRunner, api: str, prompt: Prompt, completions: list[str]):
+    """The runner's blocking API (threads) or its event-loop one: both must behave the same."""
+    if api == "blocking":
+        return runner.score_group(prompt, completions)
+    return asyncio.run(runner.score(prompt, completions))
+
+
+@pytest.mark.parametrize("api", ["blocking", "async"])
+def test_raise_and_hang_score_zero_are_counted_and_the_next_group_is_normal(flaky_spec, api):
     runner = RewardRunner(flaky_spec, timeout_s=0.5)
     try:
-        out = runner.score_group(PROMPT, ["1", "3", "4", "2", "1"])
+        out = scored(runner, api, PROMPT, ["1", "3", "4", "2", "1"])
         assert out.rewards == [1.0, 0.0, 0.0, 0.5, 1.0]
         assert out.errors == [None, "exception", "timeout", None, None]
         assert "RuntimeError: reward function bug" in out.details[0] and "worker killed" in out.details[1]
         assert runner.errors == {"exception": 1, "timeout": 1}
         assert runner.restarts == 1  # the hung worker was killed and replaced
-        again = runner.score_group(PROMPT, ["1", "2", "1"])
+        again = scored(runner, api, PROMPT, ["1", "2", "1"])
         assert again.rewards == [1.0, 0.5, 1.0] and again.errors == [None, None, None]
         assert runner.restarts == 1
     finally:
         runner.close()
 
 
-def test_bad_values_and_crashes_are_counted_by_kind(flaky_spec):
+@pytest.mark.parametrize("api", ["blocking", "async"])
+def test_bad_values_and_crashes_are_counted_by_kind(flaky_spec, api):
     runner = RewardRunner(flaky_spec, timeout_s=30)
     try:
-        out = runner.score_group(PROMPT, ["5", "6", "1"])
+        out = scored(runner, api, PROMPT, ["5", "6", "1"])
         assert out.rewards == [0.0, 0.0, 1.0]
         assert out.errors == ["invalid", "crash", None]
         assert "code 7" in out.details[1]
         assert runner.errors == {"invalid": 1, "crash": 1} and runner.restarts == 1
+    finally:
+        runner.close()
+
+
+def test_a_cancelled_group_does_not_leave_its_answer_for_the_next(flaky_spec):
+    runner = RewardRunner(flaky_spec, timeout_s=600)
+
+    async def scenario():
+        task = asyncio.create_task(runner.score(PROMPT, ["1", "4"]))  # "4" hangs, far below the limit
+        while runner.restarts == 0 and not task.done():
+            await asyncio.sleep(0.05)
+            if not runner._live:
+                continue
+            worker = next(iter(runner._live))
+            if int(worker.progress[0]) == 1:  # the worker is on the hanging sample: the node hangs up
+                task.cancel()
+                break
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert runner.restarts == 1  # the busy worker was killed, not handed to the next group
+        return await runner.score(PROMPT, ["2", "1"])
+
+    try:
+        out = asyncio.run(scenario())
+        assert out.rewards == [0.5, 1.0] and out.errors == [None, None]
     finally:
         runner.close()
 
