@@ -180,3 +180,38 @@ def test_groups_larger_than_a_request_go_in_chunks(flaky_spec, monkeypatch):
         assert out.errors == [None, None, "exception", "timeout", None]
     finally:
         runner.close()
+
+
+def test_a_hanging_reward_does_not_stall_other_nodes_intake(tmp_path, flaky_spec):
+    """One node's group hangs in its reward function (far below the limit); meanwhile another node leases,
+    submits and is scored; when the first node hangs up, its busy reward worker is killed."""
+    base = make_coordinator_dir(tmp_path, {"environment.name": flaky_spec, "environment.kwargs": {},
+                                           "environment.reward_timeout_s": 3600, "environment.reward_workers": 2})
+
+    async def scenario():
+        async with running_coordinator(base) as coord, node_client(coord) as alice, node_client(coord) as bob:
+            ids = dict(zip("14", coord.service.tokenizer.convert_tokens_to_ids(list("14")), strict=True))
+            runner = coord.service.rewards
+            lease = (await alice.lease_work(pb.LeaseRequest(max_leases=1, loaded_version=-1))).leases[0]
+            hanging = asyncio.create_task(alice.submit_group(_group(lease, [ids["1"], ids["4"], ids["1"], ids["1"]])))
+            for _ in range(2000):  # until a worker is inside the hanging sample (index 1)
+                await asyncio.sleep(0.01)
+                if any(int(w.progress[0]) == 1 for w in list(runner._live)):
+                    break
+            else:
+                pytest.fail("the reward worker never reached the hanging sample")
+            lease = (await bob.lease_work(pb.LeaseRequest(max_leases=1, loaded_version=-1))).leases[0]
+            ok = await bob.submit_group(_group(lease, [ids["1"]] * 4))
+            assert ok.accepted and list(ok.rewards) == [1.0] * 4
+            assert not hanging.done()
+            hanging.cancel()  # alice hangs up
+            for _ in range(2000):
+                await asyncio.sleep(0.01)
+                if runner.restarts == 1:
+                    break
+            assert runner.restarts == 1  # the worker stuck in alice's group was killed, not reused
+            lease = (await bob.lease_work(pb.LeaseRequest(max_leases=1, loaded_version=0))).leases[0]
+            ok = await bob.submit_group(_group(lease, [ids["1"]] * 4))
+            assert ok.accepted and list(ok.rewards) == [1.0] * 4
+
+    asyncio.run(scenario())
