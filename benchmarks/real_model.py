@@ -57,6 +57,7 @@ from veriroll.coordinator.verifier import (  # noqa: E402
     coarser_dtype,
     prefill_group,
     resolve_dtype,
+    tolerances_for,
 )
 from veriroll.node.engines.base import GenerationRequest  # noqa: E402
 from veriroll.node.engines.torch import TorchEngine  # noqa: E402
@@ -140,7 +141,9 @@ def worst_deviation(verifier: TrustedVerifier, lease: LeaseRecord, prompt_ids, s
     model = verifier.model_for(lease.policy_version)
     trusted = prefill_group(model, prompt_ids, [list(s.token_ids) for s in sub.samples])
     effective = coarser_dtype(verifier.dtype, resolve_dtype(sub.compute_dtype))
-    w = worst.setdefault(key, {"logprob": 0.0, "margin": 0.0, "exp_frac": 0.0, "mant_mean": 0.0, "mant_median": 0.0})
+    w = worst.setdefault(key, {"logprob": 0.0, "margin": 0.0, "logprob_of_tol": 0.0, "margin_of_tol": 0.0,
+                               "exp_frac": 0.0, "mant_mean": 0.0, "mant_median": 0.0})
+    tol = tolerances_for(effective, verifier.cfg.intake.logprob_tolerance)
     verdicts = verify_many([s.proof for s in sub.samples], trusted.hidden, thresholds=thresholds_for(effective))
     for v in verdicts:
         for c in v.chunks:
@@ -150,11 +153,22 @@ def worst_deviation(verifier: TrustedVerifier, lease: LeaseRecord, prompt_ids, s
     for s, seed, logits in zip(sub.samples, lease.seeds, trusted.logits, strict=True):
         t = len(s.token_ids)
         lp = token_logprobs(logits, torch.as_tensor(s.token_ids), lease.temperature).numpy()
-        w["logprob"] = max(w["logprob"], float(np.abs(lp - s.logprobs).max()))
+        dev = np.abs(lp - s.logprobs)
+        w["logprob"] = max(w["logprob"], float(dev.max()))
+        lp_tol = np.broadcast_to(np.asarray(tol.logprob_for(logits, lease.temperature), dtype=np.float64), dev.shape)
+        w["logprob_of_tol"] = max(w["logprob_of_tol"], float((dev / lp_tol).max()))
         seed_bits = seed - (1 << 64) if seed >= (1 << 63) else seed
         v = verify_samples(logits, torch.as_tensor(s.token_ids), lease.temperature, [seed_bits] * t, torch.arange(t),
                            margin_tolerance=1e9)
         w["margin"] = max(w["margin"], v.max_margin)
+        if v.max_margin > 0:  # the per-row slack of the worst row: recompute the margins row by row
+            slack = tol.margin_for(logits)
+            for i in range(t):
+                vi = verify_samples(logits[i:i + 1], torch.as_tensor(s.token_ids[i:i + 1]), lease.temperature,
+                                    [seed_bits], torch.tensor([i]), margin_tolerance=1e9)
+                if vi.max_margin > 0:
+                    row = float(slack[i]) if torch.is_tensor(slack) else float(slack)
+                    w["margin_of_tol"] = max(w["margin_of_tol"], vi.max_margin / row)
 
 
 def reproved(model, prompt_ids, token_lists, temperature) -> list[dict]:

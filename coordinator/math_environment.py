@@ -32,6 +32,7 @@ __all__ = [
     "extract_answer",
     "math_verify_reward",
     "reference_answer",
+    "too_costly",
     "word_problem",
 ]
 
@@ -89,6 +90,32 @@ def _parse(expr: str) -> list:
     return parsed or parse(expr, parsing_timeout=None)
 
 
+MAX_EXPONENT = 10**5
+MAX_FACTORIAL = 1000
+
+
+def too_costly(parsed: list) -> bool:
+    """Whether comparing a parsed answer could run sympy for unbounded time: a power tower
+    (``9^{9^{9^9}}``: verify evaluates it), a power or factorial of a huge or symbolic size. No
+    honest final answer looks like that, and a node could send one in every sample to tie up the
+    reward workers until each sample's time limit; such an answer is simply wrong (0)."""
+    import sympy
+
+    for item in parsed:
+        if not isinstance(item, sympy.Basic):
+            continue
+        for node in sympy.preorder_traversal(item):
+            if isinstance(node, sympy.Pow):
+                exponent = node.exp
+                if exponent.has(sympy.Pow, sympy.factorial) or (exponent.is_Number and abs(exponent) > MAX_EXPONENT):
+                    return True
+            elif isinstance(node, sympy.factorial | sympy.factorial2):
+                arg = node.args[0]
+                if not arg.is_Number or abs(arg) > MAX_FACTORIAL:
+                    return True
+    return False
+
+
 def math_verify_reward(prompt: Prompt, completion: str) -> float:
     """1.0 when the completion's final answer equals the prompt's answer or is equivalent to it, else 0.0."""
     from math_verify import verify
@@ -97,7 +124,7 @@ def math_verify_reward(prompt: Prompt, completion: str) -> float:
     if got is None:
         return 0.0
     gold, pred = _parse(reference_answer(prompt.answer)), _parse(got)
-    if not gold or not pred:
+    if not gold or not pred or too_costly(pred):
         return 0.0
     return 1.0 if verify(gold, pred, timeout_seconds=None) else 0.0
 

@@ -7,11 +7,14 @@ can. A :class:`RewardRunner` keeps ``workers`` processes, each of which loads th
 spec (name + kwargs, as the coordinator did) once, then scores whole groups:
 
     parent ── (prompt, completions) ──▶ worker        one message per group
-    parent ◀── (index, reward, error) ── worker        one small message per sample, as each finishes
+    parent ◀── "done" ── worker                       one message per group (plus one per failed sample)
+    shared memory: each sample's reward and error kind; the index of the sample being scored and
+    when it started
 
-Streaming the results is what makes the limit per sample: the parent waits at most ``timeout_s`` for
-each next result. When one does not come, the worker is killed, that sample gets reward 0 and a
-``timeout`` error, and a fresh worker scores the rest of the group. A reward function that raises
+The shared progress is what makes the limit per sample at the cost of one message each way: the
+parent waits until the sample in progress has run ``timeout_s``. Then the worker is killed, that
+sample gets reward 0 and a ``timeout`` error, the samples before it keep their rewards, and a fresh
+worker scores the rest of the group. A reward function that raises
 gives its sample reward 0 and an ``exception`` error; a non-finite or non-numeric result is an
 ``invalid`` error; a worker that dies mid-group (a segfault, ``os._exit``) is a ``crash``. Every error
 is counted by kind (:attr:`RewardRunner.errors`) and returned with the group, so the coordinator can
@@ -20,12 +23,14 @@ export and log it; the group itself is scored and accepted as usual.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 import multiprocessing
 import queue
 import signal
 import threading
+import time
 import traceback
 from collections import Counter
 from dataclasses import dataclass, field
@@ -55,8 +60,37 @@ class GroupRewards:
     """One line per error, for the coordinator's log."""
 
 
-def _worker_main(conn, spec: str, kwargs: dict) -> None:
-    """A reward worker: load the environment, say ready (or why not), then score groups until told to stop."""
+_KINDS = (None, "exception", "invalid")
+"""Error kinds a worker itself reports, by their code in the shared ``kinds`` array."""
+CAPACITY = 1024
+"""Samples per request to a worker (the size of its shared result arrays); larger groups go in chunks."""
+
+
+def _score_one(env, prompt: Prompt, completion: str) -> tuple[float, int, str]:
+    """(reward, error kind code, detail) of one completion; never raises."""
+    try:
+        value = env.reward(prompt, completion)
+    except Exception as e:  # noqa: BLE001 - any failure of the operator's code is that sample's 0
+        last = traceback.extract_tb(e.__traceback__)[-1:]
+        where = f" at {last[0].filename}:{last[0].lineno}" if last else ""
+        return 0.0, 1, f"{type(e).__name__}: {e}{where}"
+    try:
+        value = float(value)
+    except (TypeError, ValueError):
+        return 0.0, 2, f"returned {type(value).__name__} {value!r:.80}"
+    if not math.isfinite(value):
+        return 0.0, 2, f"returned {value}"
+    return value, 0, ""
+
+
+def _worker_main(conn, spec: str, kwargs: dict, progress, values, kinds) -> None:
+    """A reward worker: load the environment, say ready (or why not), then score groups until told to stop.
+
+    Results go to the shared ``values`` / ``kinds`` arrays as each sample finishes, and ``progress``
+    holds (index of the sample being scored, when it started): so a group costs one message each way,
+    and the parent still knows which sample is over its limit, and keeps the ones before it, when it
+    has to kill this process.
+    """
     # Ctrl-C in the coordinator's terminal reaches the whole process group; the coordinator stops
     # its workers itself, so they ignore it instead of printing a traceback each.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -76,31 +110,27 @@ def _worker_main(conn, spec: str, kwargs: dict) -> None:
         if request is None:
             return
         prompt, completions, first = request
-        for i, completion in enumerate(completions, start=first):
-            try:
-                value = env.reward(prompt, completion)
-                try:
-                    value = float(value)
-                except (TypeError, ValueError):
-                    conn.send((i, 0.0, "invalid", f"returned {type(value).__name__} {value!r:.80}"))
-                    continue
-                if not math.isfinite(value):
-                    conn.send((i, 0.0, "invalid", f"returned {value}"))
-                else:
-                    conn.send((i, value, None, ""))
-            except Exception as e:  # noqa: BLE001 - any failure of the operator's code is that sample's 0
-                last = traceback.extract_tb(e.__traceback__)[-1:]
-                where = f" at {last[0].filename}:{last[0].lineno}" if last else ""
-                conn.send((i, 0.0, "exception", f"{type(e).__name__}: {e}{where}"))
+        for j, completion in enumerate(completions):
+            # Start time first, then the index: a parent reading between the two sees the new time
+            # with the old index, which only lets it wait longer, never kill early.
+            progress[1] = time.monotonic()
+            progress[0] = first + j
+            values[j], kinds[j], detail = _score_one(env, prompt, completion)
+            if kinds[j]:  # errors are rare: their details go at once, so a later kill cannot lose them
+                conn.send(("error", first + j, detail))
+        conn.send(("done", None, None))
 
 
 class _Worker:
-    """One worker process and the parent's end of its pipe."""
+    """One worker process, the parent's end of its pipe, and the shared result arrays."""
 
     def __init__(self, ctx, spec: str, kwargs: dict, start_timeout_s: float):
         self.conn, child = ctx.Pipe(duplex=True)
-        self.process = ctx.Process(target=_worker_main, args=(child, spec, kwargs), daemon=True,
-                                   name="veriroll-reward")
+        self.progress = ctx.RawArray("d", 2)
+        self.values = ctx.RawArray("d", CAPACITY)
+        self.kinds = ctx.RawArray("b", CAPACITY)
+        self.process = ctx.Process(target=_worker_main, args=(child, spec, kwargs, self.progress, self.values, self.kinds),
+                                   daemon=True, name="veriroll-reward")
         self.process.start()
         child.close()
         # Loading may read a dataset file (datasets caches it after the coordinator's own load).
@@ -134,9 +164,9 @@ class _Worker:
 class RewardRunner:
     """Scores groups in worker processes loaded from an environment spec, ``timeout_s`` per sample.
 
-    Thread-safe: up to ``workers`` groups are scored at once (one per worker); further callers wait
-    for a free worker. Workers start on first use, so a coordinator that never scores never pays for
-    them. :meth:`score_group` blocks: call it from a worker thread, never on the event loop.
+    Up to ``workers`` groups are scored at once (one per worker); further callers wait for a free
+    worker. Workers start on first use, so a coordinator that never scores never pays for them.
+    :meth:`score` is for the event loop; :meth:`score_group` blocks, for threads and plain code.
     """
 
     def __init__(self, spec: str, kwargs: dict | None = None, *, timeout_s: float = 5.0, workers: int = 1,
@@ -200,30 +230,152 @@ class RewardRunner:
 
     def _run(self, worker: _Worker, prompt: Prompt, completions: list[str], first: int,
              out: GroupRewards) -> tuple[int, _Worker | None]:
-        """Send ``completions[first:]`` to ``worker`` and collect results; on a timeout or crash, record it for
-        the sample in progress and return (next index, None) so that a fresh worker takes the rest."""
+        """Score ``completions[first:]`` (up to :data:`CAPACITY`) on ``worker``. Returns the next index to score
+        and the worker, or None in its place when it had to be killed (a timeout) or died (a crash)."""
+        chunk = completions[first:first + CAPACITY]
+        # The first sample's clock starts now, in case the worker is slow to pick the request up.
+        worker.progress[1] = time.monotonic()
+        worker.progress[0] = first
         try:
-            worker.conn.send((prompt, completions[first:], first))
+            worker.conn.send((prompt, chunk, first))
         except (OSError, ValueError):  # the worker died between groups: start another, lose nothing
             self._discard(worker)
             return first, None
-        for i in range(first, len(completions)):
-            if not worker.conn.poll(self.timeout_s):
+        details: dict[int, str] = {}
+        while True:
+            if not worker.conn.poll(max(0.0, worker.progress[1] + self.timeout_s - time.monotonic())):
+                if worker.progress[1] + self.timeout_s > time.monotonic():
+                    continue  # the worker moved on to a later sample, whose own time runs
                 self._discard(worker)
-                self._record(out, i, "timeout", f"no result within {self.timeout_s:g}s; worker killed and replaced")
-                return i + 1, None
+                index = self._collect(worker, first, out, partial=True, details=details)
+                self._record(out, index, "timeout", f"no result within {self.timeout_s:g}s; worker killed and replaced")
+                return index + 1, None
             try:
-                index, value, kind, detail = worker.conn.recv()
+                what, index, detail = worker.conn.recv()
             except (EOFError, OSError):
-                exitcode = worker.process.exitcode
                 self._discard(worker)
-                self._record(out, i, "crash", f"the reward worker exited (code {exitcode}) while scoring it")
-                return i + 1, None
-            if kind is None:
-                out.rewards[index] = value
-            else:
-                self._record(out, index, kind, detail)
-        return len(completions), worker
+                exitcode = worker.process.exitcode  # known once joined: the pipe can close before
+                index = self._collect(worker, first, out, partial=True, details=details)
+                self._record(out, index, "crash", f"the reward worker exited (code {exitcode}) while scoring it")
+                return index + 1, None
+            if what == "error":
+                details[index] = detail
+                continue
+            self._collect(worker, first, out, partial=False, count=len(chunk), details=details)
+            return first + len(chunk), worker
+
+    async def score(self, prompt: Prompt, completions: list[str]) -> GroupRewards:
+        """:meth:`score_group` for the event loop: it waits on the worker's pipe as an I/O event, with no
+        thread in between (each thread hand-off costs the coordinator a GIL round trip per group)."""
+        n = len(completions)
+        out = GroupRewards(rewards=[0.0] * n, errors=[None] * n)
+        if n == 0:
+            return out
+        loop = asyncio.get_running_loop()
+        try:
+            worker = self._slots.get_nowait()
+        except queue.Empty:  # every worker is busy: wait for one without blocking the loop
+            worker = await loop.run_in_executor(None, self._slots.get)
+        try:
+            next_index = 0
+            while next_index < n:
+                if worker is None:
+                    try:
+                        worker = await loop.run_in_executor(None, self._start)  # spawning and loading take a while
+                    except RewardWorkerError as e:
+                        for i in range(next_index, n):
+                            self._record(out, i, "exception", str(e))
+                        break
+                next_index, worker = await self._run_async(worker, prompt, completions, next_index, out)
+        except BaseException:
+            # Cancelled mid-group (the node hung up): the worker is still scoring, and its answer
+            # would be read as the next group's. It goes; the slot gets a fresh one on next use.
+            if worker is not None:
+                self._discard(worker)
+                worker = None
+            raise
+        finally:
+            self._slots.put(worker)
+        with self._lock:
+            self.errors.update(kind for kind in out.errors if kind is not None)
+        return out
+
+    async def _run_async(self, worker: _Worker, prompt: Prompt, completions: list[str], first: int,
+                         out: GroupRewards) -> tuple[int, _Worker | None]:
+        """:meth:`_run` awaiting the pipe through the event loop's selector."""
+        loop = asyncio.get_running_loop()
+        chunk = completions[first:first + CAPACITY]
+        worker.progress[1] = time.monotonic()
+        worker.progress[0] = first
+        try:
+            worker.conn.send((prompt, chunk, first))
+        except (OSError, ValueError):
+            await loop.run_in_executor(None, self._discard, worker)
+            return first, None
+        # A bare future woken by the pipe's readiness or by the sample's deadline: cheaper per group
+        # than an Event with wait_for (which wraps each wait in a task).
+        waiting: list[asyncio.Future] = []
+
+        def wake() -> None:
+            if waiting and not waiting[0].done():
+                waiting[0].set_result(None)
+
+        fd = worker.conn.fileno()
+        loop.add_reader(fd, wake)
+        details: dict[int, str] = {}
+        failure = None
+        try:
+            while True:
+                if not worker.conn.poll(0):
+                    remaining = worker.progress[1] + self.timeout_s - time.monotonic()
+                    if remaining <= 0:
+                        failure = "timeout"
+                        break
+                    waiting[:] = [loop.create_future()]
+                    timer = loop.call_later(remaining, wake)
+                    try:
+                        await waiting[0]
+                    finally:
+                        timer.cancel()
+                    continue
+                try:
+                    what, index, detail = worker.conn.recv()
+                except (EOFError, OSError):
+                    failure = "crash"
+                    break
+                if what == "error":
+                    details[index] = detail
+                    continue
+                break
+        finally:
+            loop.remove_reader(fd)  # before the pipe can be closed by a kill
+        if failure is None:
+            self._collect(worker, first, out, partial=False, count=len(chunk), details=details)
+            return first + len(chunk), worker
+        await loop.run_in_executor(None, self._discard, worker)
+        exitcode = worker.process.exitcode
+        index = self._collect(worker, first, out, partial=True, details=details)
+        if failure == "timeout":
+            self._record(out, index, "timeout", f"no result within {self.timeout_s:g}s; worker killed and replaced")
+        else:
+            self._record(out, index, "crash", f"the reward worker exited (code {exitcode}) while scoring it")
+        return index + 1, None
+
+    @staticmethod
+    def _collect(worker: _Worker, first: int, out: GroupRewards, *, partial: bool, count: int = 0,
+                 details: dict | None = None) -> int:
+        """Copy finished results from the shared arrays into ``out``: all ``count`` of them, or (``partial``,
+        the worker is dead) those before the sample it was scoring. Returns that sample's index."""
+        if partial:
+            count = int(worker.progress[0]) - first
+        for j in range(count):
+            i = first + j
+            out.rewards[i] = worker.values[j]
+            kind = _KINDS[worker.kinds[j]]
+            if kind is not None:
+                detail = (details or {}).get(i, "")
+                RewardRunner._record(out, i, kind, detail)
+        return first + count
 
     @staticmethod
     def _record(out: GroupRewards, index: int, kind: str, detail: str) -> None:

@@ -134,8 +134,6 @@ class CoordinatorService:
         self._stop_ids_json = json.dumps(self.stop_token_ids)
         self._stop_ids = np.asarray(self.stop_token_ids, dtype=np.int64)
         self._verify_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="veriroll-verify")
-        # One thread per reward worker process: a thread only waits on its worker's pipe.
-        self._reward_pool = ThreadPoolExecutor(max_workers=ec.reward_workers, thread_name_prefix="veriroll-reward")
         self.db.run_sync(self._restore_prompt_stream)
 
     # --- door ----------------------------------------------------------------------------------
@@ -443,24 +441,35 @@ class CoordinatorService:
         return self._audit_rng.random() < self.cfg.intake.audit_fraction
 
     async def _rewards(self, prompt: dict, sub: Submission) -> list[float]:
-        """The group's rewards, computed in the reward pool: off the event loop and off the store's writer."""
-        return await asyncio.get_running_loop().run_in_executor(self._reward_pool, self._score, prompt, sub)
+        """Rewards recomputed from the tokens by the environment's rubric, never read from the node: in a
+        reward worker process with a time limit per sample, awaited off the store's writer and without
+        blocking the event loop. A failed reward is 0, counted and logged."""
+        result = await self.rewards.score(self._reward_prompt(prompt), self._completions(sub))
+        return self._counted(prompt, result)
 
     def _score(self, prompt: dict, sub: Submission) -> list[float]:
-        """Rewards recomputed from the tokens by the environment's rubric, in a reward worker process with a
-        time limit per sample; never read from the node. A failed reward is 0, counted and logged."""
+        """:meth:`_rewards`, blocking (for tests and tools that re-check stored rewards)."""
+        return self._counted(prompt, self.rewards.score_group(self._reward_prompt(prompt), self._completions(sub)))
+
+    @staticmethod
+    def _reward_prompt(prompt: dict):
         from veriroll.coordinator.environments import Prompt
 
         meta = json.loads(prompt["meta"] or "{}")
         messages = meta.pop(MESSAGES_META_KEY, [])
-        p = Prompt(text=prompt["text"], answer=prompt["answer"], env=prompt["env"], meta=meta, messages=messages)
+        return Prompt(text=prompt["text"], answer=prompt["answer"], env=prompt["env"], meta=meta, messages=messages)
+
+    def _completions(self, sub: Submission) -> list[str]:
+        """Each sample's text as the rubric sees it: decoded without stop tokens or special tokens."""
         texts = []
         for s in sub.samples:
             ids = np.asarray(s.token_ids, dtype=np.int64)
             for stop in self._stop_ids:
                 ids = ids[ids != stop]
             texts.append(self.codec.decode(ids.tolist()))
-        result = self.rewards.score_group(p, texts)
+        return texts
+
+    def _counted(self, prompt: dict, result) -> list[float]:
         for kind in result.errors:
             if kind is not None:
                 self.metrics.reward_errors.inc(kind=kind)
@@ -550,7 +559,6 @@ class CoordinatorService:
 
     def close(self) -> None:
         self._verify_pool.shutdown(wait=False, cancel_futures=True)
-        self._reward_pool.shutdown(wait=False, cancel_futures=True)
         self.rewards.close()
 
 

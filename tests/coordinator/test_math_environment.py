@@ -62,6 +62,20 @@ def test_math_verify_scores_equivalent_answers_one_and_others_zero(answer, compl
     assert math_verify_reward(Prompt("q", answer, "math"), completion) == reward
 
 
+@pytest.mark.parametrize("answer, completion, reward", [
+    ("1024", "\\boxed{2^{10}}", 1.0),
+    ("24", "\\boxed{4!}", 1.0),
+    ("0.5", "\\boxed{2^{-1}}", 1.0),
+    # Comparing these would keep sympy busy without bound (verify evaluates them): scored wrong at once.
+    ("42", "\\boxed{9^{9^{9^{9}}}}", 0.0),
+    ("42", "\\boxed{(10^{6})!}", 0.0),
+    ("42", "\\boxed{10^{10^{10}}!}", 0.0),
+    ("42", "\\boxed{2^{100000000}}", 0.0),
+])
+def test_powers_and_factorials_are_compared_unless_unbounded(answer, completion, reward):
+    assert math_verify_reward(Prompt("q", answer, "math"), completion) == reward
+
+
 def _numbers(text: str) -> list[int]:
     return [int(n) for n in re.findall(r"\d+", text)]
 

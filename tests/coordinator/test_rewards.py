@@ -55,30 +55,64 @@ def flaky_spec(tmp_path, monkeypatch):
 PROMPT = Prompt(text="1+1=", answer="2", env="flaky")
 
 
-def test_raise_and_hang_score_zero_are_counted_and_the_next_group_is_normal(flaky_spec):
+def scored(runner: RewardRunner, api: str, prompt: Prompt, completions: list[str]):
+    """The runner's blocking API (threads) or its event-loop one: both must behave the same."""
+    if api == "blocking":
+        return runner.score_group(prompt, completions)
+    return asyncio.run(runner.score(prompt, completions))
+
+
+@pytest.mark.parametrize("api", ["blocking", "async"])
+def test_raise_and_hang_score_zero_are_counted_and_the_next_group_is_normal(flaky_spec, api):
     runner = RewardRunner(flaky_spec, timeout_s=0.5)
     try:
-        out = runner.score_group(PROMPT, ["1", "3", "4", "2", "1"])
+        out = scored(runner, api, PROMPT, ["1", "3", "4", "2", "1"])
         assert out.rewards == [1.0, 0.0, 0.0, 0.5, 1.0]
         assert out.errors == [None, "exception", "timeout", None, None]
         assert "RuntimeError: reward function bug" in out.details[0] and "worker killed" in out.details[1]
         assert runner.errors == {"exception": 1, "timeout": 1}
         assert runner.restarts == 1  # the hung worker was killed and replaced
-        again = runner.score_group(PROMPT, ["1", "2", "1"])
+        again = scored(runner, api, PROMPT, ["1", "2", "1"])
         assert again.rewards == [1.0, 0.5, 1.0] and again.errors == [None, None, None]
         assert runner.restarts == 1
     finally:
         runner.close()
 
 
-def test_bad_values_and_crashes_are_counted_by_kind(flaky_spec):
+@pytest.mark.parametrize("api", ["blocking", "async"])
+def test_bad_values_and_crashes_are_counted_by_kind(flaky_spec, api):
     runner = RewardRunner(flaky_spec, timeout_s=30)
     try:
-        out = runner.score_group(PROMPT, ["5", "6", "1"])
+        out = scored(runner, api, PROMPT, ["5", "6", "1"])
         assert out.rewards == [0.0, 0.0, 1.0]
         assert out.errors == ["invalid", "crash", None]
         assert "code 7" in out.details[1]
         assert runner.errors == {"invalid": 1, "crash": 1} and runner.restarts == 1
+    finally:
+        runner.close()
+
+
+def test_a_cancelled_group_does_not_leave_its_answer_for_the_next(flaky_spec):
+    runner = RewardRunner(flaky_spec, timeout_s=600)
+
+    async def scenario():
+        task = asyncio.create_task(runner.score(PROMPT, ["1", "4"]))  # "4" hangs, far below the limit
+        while runner.restarts == 0 and not task.done():
+            await asyncio.sleep(0.05)
+            if not runner._live:
+                continue
+            worker = next(iter(runner._live))
+            if int(worker.progress[0]) == 1:  # the worker is on the hanging sample: the node hangs up
+                task.cancel()
+                break
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert runner.restarts == 1  # the busy worker was killed, not handed to the next group
+        return await runner.score(PROMPT, ["2", "1"])
+
+    try:
+        out = asyncio.run(scenario())
+        assert out.rewards == [0.5, 1.0] and out.errors == [None, None]
     finally:
         runner.close()
 
@@ -131,5 +165,53 @@ def test_coordinator_accepts_a_group_whose_rewards_raise_or_hang_and_counts_them
             assert stored == [1.0, 0.0, 0.0, 0.5, 1.0, 0.5, 1.0, 1.0]
             metrics_text = m.registry.render()
             assert 'veriroll_reward_errors_total{kind="exception"} 1' in metrics_text
+
+    asyncio.run(scenario())
+
+
+def test_groups_larger_than_a_request_go_in_chunks(flaky_spec, monkeypatch):
+    import veriroll.coordinator.rewards as rewards
+
+    monkeypatch.setattr(rewards, "CAPACITY", 2)  # shared result arrays of two samples
+    runner = RewardRunner(flaky_spec, timeout_s=0.5)
+    try:
+        out = runner.score_group(PROMPT, ["1", "2", "3", "4", "1"])
+        assert out.rewards == [1.0, 0.5, 0.0, 0.0, 1.0]
+        assert out.errors == [None, None, "exception", "timeout", None]
+    finally:
+        runner.close()
+
+
+def test_a_hanging_reward_does_not_stall_other_nodes_intake(tmp_path, flaky_spec):
+    """One node's group hangs in its reward function (far below the limit); meanwhile another node leases,
+    submits and is scored; when the first node hangs up, its busy reward worker is killed."""
+    base = make_coordinator_dir(tmp_path, {"environment.name": flaky_spec, "environment.kwargs": {},
+                                           "environment.reward_timeout_s": 3600, "environment.reward_workers": 2})
+
+    async def scenario():
+        async with running_coordinator(base) as coord, node_client(coord) as alice, node_client(coord) as bob:
+            ids = dict(zip("14", coord.service.tokenizer.convert_tokens_to_ids(list("14")), strict=True))
+            runner = coord.service.rewards
+            lease = (await alice.lease_work(pb.LeaseRequest(max_leases=1, loaded_version=-1))).leases[0]
+            hanging = asyncio.create_task(alice.submit_group(_group(lease, [ids["1"], ids["4"], ids["1"], ids["1"]])))
+            for _ in range(2000):  # until a worker is inside the hanging sample (index 1)
+                await asyncio.sleep(0.01)
+                if any(int(w.progress[0]) == 1 for w in list(runner._live)):
+                    break
+            else:
+                pytest.fail("the reward worker never reached the hanging sample")
+            lease = (await bob.lease_work(pb.LeaseRequest(max_leases=1, loaded_version=-1))).leases[0]
+            ok = await bob.submit_group(_group(lease, [ids["1"]] * 4))
+            assert ok.accepted and list(ok.rewards) == [1.0] * 4
+            assert not hanging.done()
+            hanging.cancel()  # alice hangs up
+            for _ in range(2000):
+                await asyncio.sleep(0.01)
+                if runner.restarts == 1:
+                    break
+            assert runner.restarts == 1  # the worker stuck in alice's group was killed, not reused
+            lease = (await bob.lease_work(pb.LeaseRequest(max_leases=1, loaded_version=0))).leases[0]
+            ok = await bob.submit_group(_group(lease, [ids["1"]] * 4))
+            assert ok.accepted and list(ok.rewards) == [1.0] * 4
 
     asyncio.run(scenario())

@@ -95,9 +95,31 @@ SANDBOX_REWARD = textwrap.dedent(
 )
 
 
+OWN_ENV_AND_USER_OPENS = textwrap.dedent(
+    """
+    import verifiers.v1 as vf
+
+    class ChatTask(vf.Task[vf.TaskData]):
+        @vf.reward
+        async def polite(self, trace) -> float:
+            return 1.0
+
+    class ChatTaskset(vf.Taskset[ChatTask]):
+        def load(self):
+            yield ChatTask(vf.TaskData(prompt=None), self.config.task)  # the (simulated) user speaks first
+
+    class DuetEnv(vf.SingleAgentEnv):
+        pass
+
+    __all__ = ["ChatTaskset", "DuetEnv"]
+    """
+)
+
+
 @pytest.fixture
 def tasksets(tmp_path, monkeypatch):
-    for name, source in (("vr_test_add", SINGLE_TURN), ("vr_test_tools", WITH_TOOLS), ("vr_test_sandbox", SANDBOX_REWARD)):
+    for name, source in (("vr_test_add", SINGLE_TURN), ("vr_test_tools", WITH_TOOLS), ("vr_test_sandbox", SANDBOX_REWARD),
+                         ("vr_test_duet", OWN_ENV_AND_USER_OPENS)):
         (tmp_path / f"{name}.py").write_text(source)
     monkeypatch.syspath_prepend(str(tmp_path))
 
@@ -136,6 +158,9 @@ def test_tool_use_and_multi_turn_tasksets_are_refused_naming_what_they_need(task
     assert "not single-turn" in message and "tools (Calculator)" in message and "stop conditions (enough)" in message
     with pytest.raises(EnvironmentLoadError, match=r"a sandbox runtime in its scoring \(file_written\)"):
         load_environment("vf:vr_test_sandbox")
+    with pytest.raises(EnvironmentLoadError) as info:
+        load_environment("vf:vr_test_duet")
+    assert "its own Env (DuetEnv" in str(info.value) and "a conversation the user opens" in str(info.value)
 
 
 def test_rewards_run_in_reward_workers_and_failures_are_counted(tasksets):
