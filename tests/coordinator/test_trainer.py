@@ -387,12 +387,15 @@ def test_gradient_checkpointing_recomputes_layers_and_gives_the_same_gradients()
         model = tiny_model()
         calls = []
         model.model.layers[0].self_attn.register_forward_pre_hook(lambda *_, calls=calls: calls.append(1))
-        cfg = TrainerConfig(gradient_checkpointing=checkpointing, autocast="off", micro_batch_tokens=10_000)
+        # Several micro-batches: checkpointing has to hold across gradient accumulation too.
+        cfg = TrainerConfig(gradient_checkpointing=checkpointing, autocast="off", micro_batch_tokens=40)
         metrics, update = sgd_update(model, cfg, batch)
         results[checkpointing] = metrics, update, len(calls), model.is_activation_checkpointing
     (m0, u0, calls0, on0), (m1, u1, calls1, on1) = results[False], results[True]
+    parts = m0["micro_batches"]
+    assert parts > 2 and m1["micro_batches"] == parts
     # Checkpointing runs each layer's forward again in the backward: its attention is called twice.
-    assert (on0, calls0) == (False, 1) and (on1, calls1) == (True, 2)
+    assert (on0, calls0) == (False, parts) and (on1, calls1) == (True, 2 * parts)
     assert m1["loss"] == pytest.approx(m0["loss"], rel=1e-6) and m1["grad_norm"] == pytest.approx(m0["grad_norm"], rel=1e-5)
     assert any(u.abs().max() > 1e-4 for u in u0.values())
     for name in u0:
