@@ -668,3 +668,25 @@ def test_smollm2_step_at_the_smoke_settings_stays_under_6_gb(smollm2_dir):
     assert result["trainer_peak_rss_mb"] < 6000
     assert result["publish"][0]["peak_rss_mb"] < 6000
     assert result["publish"][0]["bytes"] < 300e6  # bf16: half of the 538 MB float32 weights, plus tokenizer files
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_measure_publish_times_a_signed_shardcast_version_of_the_weights(tmp_path, dtype):
+    from support import build_tiny_checkpoint
+
+    from veriroll.coordinator.trainer import measure_publish
+    from veriroll.protos.identity import PrivateKey
+    from veriroll.shardcast.store import list_versions
+
+    base = build_tiny_checkpoint(tmp_path / "v0")
+    model = load_version(base, "float32")[0]
+    out = measure_publish(model, base, tmp_path / "out", dtype, PrivateKey.generate(), version=3)
+    checkpoint = tmp_path / "out" / "checkpoint"
+    assert out["dtype"] == dtype and out["save_s"] > 0 and out["shard_s"] > 0
+    assert out["publish_s"] == pytest.approx(out["save_s"] + out["shard_s"])
+    # What ships is the checkpoint's files, all of them: weights in the dtype asked for, version 0's tokenizer.
+    assert out["bytes"] == sum(p.stat().st_size for p in checkpoint.iterdir())
+    assert out["files"] == len(list(checkpoint.iterdir()))
+    assert {t.dtype for t in safetensors_weights(checkpoint).values()} == {getattr(torch, dtype)}
+    assert non_weight_files(checkpoint) == non_weight_files(base)
+    assert list_versions(tmp_path / "out" / "store") == [3]
