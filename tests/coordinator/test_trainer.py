@@ -690,3 +690,24 @@ def test_measure_publish_times_a_signed_shardcast_version_of_the_weights(tmp_pat
     assert {t.dtype for t in safetensors_weights(checkpoint).values()} == {getattr(torch, dtype)}
     assert non_weight_files(checkpoint) == non_weight_files(base)
     assert list_versions(tmp_path / "out" / "store") == [3]
+
+
+def test_a_sharded_version_0_gives_its_tokenizer_but_not_its_weight_index_to_later_versions(tmp_path):
+    from support import build_tiny_checkpoint
+
+    from veriroll.coordinator.models import save_pretrained_checkpoint
+    from veriroll.coordinator.trainer import write_policy_version
+
+    tiny = build_tiny_checkpoint(tmp_path / "tiny")
+    model = load_version(tiny, "float32")[0]
+    # Version 0 in bf16 shards of at most 100 kB, with an index; version 1 in one float32 file.
+    v0 = save_pretrained_checkpoint(model, tiny, tmp_path / "v0", max_shard_size="100KB", dtype=torch.bfloat16)
+    assert len(list(v0.glob("*.safetensors"))) > 1 and (v0 / "model.safetensors.index.json").exists()
+    v1 = write_policy_version(model, v0, tmp_path / "v1", torch.float32)
+    assert sorted(p.name for p in v1.glob("*.safetensors*")) == ["model.safetensors"]
+    assert non_weight_files(v1) == non_weight_files(v0) == non_weight_files(tiny)
+    for d, dtype in ((v0, torch.bfloat16), (v1, torch.float32)):
+        loaded = load_version(d)[0]
+        assert {p.dtype for p in loaded.parameters()} == {dtype}
+        for name, p in loaded.state_dict().items():
+            assert torch.equal(p, model.state_dict()[name].to(dtype)), (d.name, name)
