@@ -390,8 +390,8 @@ def set_gradient_checkpointing(model: torch.nn.Module, enabled: bool) -> bool:
             log.warning("%s does not support gradient checkpointing; training without it", type(inner).__name__)
         return False
     # transformers >= 5.24 renamed gradient → activation checkpointing; the old names warn.
-    on = bool(getattr(inner, "is_activation_checkpointing", None) if hasattr(inner, "is_activation_checkpointing")
-              else getattr(inner, "is_gradient_checkpointing", False))
+    flag = "is_activation_checkpointing" if hasattr(type(inner), "is_activation_checkpointing") else "is_gradient_checkpointing"
+    on = bool(getattr(inner, flag, False))
     if enabled and not on:
         # Non-reentrant checkpointing: it needs no input that requires grad, works under DDP without
         # find_unused_parameters tricks, and is what torch recommends (the reentrant one is deprecated).
