@@ -9,6 +9,7 @@ trainer's default lr (1e-4), where the update is ~1e-4 and any such element move
 
 from __future__ import annotations
 
+import gc
 import os
 
 import numpy as np
@@ -109,6 +110,9 @@ def test_two_process_step_matches_one_process_step(tmp_path, strategy):
         single[name] = before, metrics, params_of(model)
 
     # fork: the ranks inherit the imported torch and transformers instead of importing them again.
+    # Garbage left by earlier tests in this process (gRPC channels and servers in reference cycles) is
+    # collected here first: freed by the garbage collector of a forked child, gRPC objects crash it.
+    gc.collect()
     mp.start_processes(_rank, args=(2, str(tmp_path / "init"), str(tmp_path), strategy), nprocs=2, join=True,
                        start_method="fork")
     got = torch.load(tmp_path / "rank0.pt", weights_only=False)

@@ -387,12 +387,15 @@ def test_gradient_checkpointing_recomputes_layers_and_gives_the_same_gradients()
         model = tiny_model()
         calls = []
         model.model.layers[0].self_attn.register_forward_pre_hook(lambda *_, calls=calls: calls.append(1))
-        cfg = TrainerConfig(gradient_checkpointing=checkpointing, autocast="off", micro_batch_tokens=10_000)
+        # Several micro-batches: checkpointing has to hold across gradient accumulation too.
+        cfg = TrainerConfig(gradient_checkpointing=checkpointing, autocast="off", micro_batch_tokens=40)
         metrics, update = sgd_update(model, cfg, batch)
         results[checkpointing] = metrics, update, len(calls), model.is_activation_checkpointing
     (m0, u0, calls0, on0), (m1, u1, calls1, on1) = results[False], results[True]
+    parts = m0["micro_batches"]
+    assert parts > 2 and m1["micro_batches"] == parts
     # Checkpointing runs each layer's forward again in the backward: its attention is called twice.
-    assert (on0, calls0) == (False, 1) and (on1, calls1) == (True, 2)
+    assert (on0, calls0) == (False, parts) and (on1, calls1) == (True, 2 * parts)
     assert m1["loss"] == pytest.approx(m0["loss"], rel=1e-6) and m1["grad_norm"] == pytest.approx(m0["grad_norm"], rel=1e-5)
     assert any(u.abs().max() > 1e-4 for u in u0.values())
     for name in u0:
@@ -665,3 +668,46 @@ def test_smollm2_step_at_the_smoke_settings_stays_under_6_gb(smollm2_dir):
     assert result["trainer_peak_rss_mb"] < 6000
     assert result["publish"][0]["peak_rss_mb"] < 6000
     assert result["publish"][0]["bytes"] < 300e6  # bf16: half of the 538 MB float32 weights, plus tokenizer files
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_measure_publish_times_a_signed_shardcast_version_of_the_weights(tmp_path, dtype):
+    from support import build_tiny_checkpoint
+
+    from veriroll.coordinator.trainer import measure_publish
+    from veriroll.protos.identity import PrivateKey
+    from veriroll.shardcast.store import list_versions
+
+    base = build_tiny_checkpoint(tmp_path / "v0")
+    model = load_version(base, "float32")[0]
+    out = measure_publish(model, base, tmp_path / "out", dtype, PrivateKey.generate(), version=3)
+    checkpoint = tmp_path / "out" / "checkpoint"
+    assert out["dtype"] == dtype and out["save_s"] > 0 and out["shard_s"] > 0
+    assert out["publish_s"] == pytest.approx(out["save_s"] + out["shard_s"])
+    # What ships is the checkpoint's files, all of them: weights in the dtype asked for, version 0's tokenizer.
+    assert out["bytes"] == sum(p.stat().st_size for p in checkpoint.iterdir())
+    assert out["files"] == len(list(checkpoint.iterdir()))
+    assert {t.dtype for t in safetensors_weights(checkpoint).values()} == {getattr(torch, dtype)}
+    assert non_weight_files(checkpoint) == non_weight_files(base)
+    assert list_versions(tmp_path / "out" / "store") == [3]
+
+
+def test_a_sharded_version_0_gives_its_tokenizer_but_not_its_weight_index_to_later_versions(tmp_path):
+    from support import build_tiny_checkpoint
+
+    from veriroll.coordinator.models import save_pretrained_checkpoint
+    from veriroll.coordinator.trainer import write_policy_version
+
+    tiny = build_tiny_checkpoint(tmp_path / "tiny")
+    model = load_version(tiny, "float32")[0]
+    # Version 0 in bf16 shards of at most 100 kB, with an index; version 1 in one float32 file.
+    v0 = save_pretrained_checkpoint(model, tiny, tmp_path / "v0", max_shard_size="100KB", dtype=torch.bfloat16)
+    assert len(list(v0.glob("*.safetensors"))) > 1 and (v0 / "model.safetensors.index.json").exists()
+    v1 = write_policy_version(model, v0, tmp_path / "v1", torch.float32)
+    assert sorted(p.name for p in v1.glob("*.safetensors*")) == ["model.safetensors"]
+    assert non_weight_files(v1) == non_weight_files(v0) == non_weight_files(tiny)
+    for d, dtype in ((v0, torch.bfloat16), (v1, torch.float32)):
+        loaded = load_version(d)[0]
+        assert {p.dtype for p in loaded.parameters()} == {dtype}
+        for name, p in loaded.state_dict().items():
+            assert torch.equal(p, model.state_dict()[name].to(dtype)), (d.name, name)
