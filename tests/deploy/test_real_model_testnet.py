@@ -26,8 +26,10 @@ def test_smollm2_testnet_trains_steps_with_no_honest_rejection(tmp_path, smollm2
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["steps"] >= 3
     assert summary["honest_rejected"] == 0, summary["rejections_by_node"]
-    assert summary["accepted_groups"] >= 3 * 4  # groups_per_step of the preset, per step
-    assert summary["policy_version"] >= 1  # versions published (every 2 steps) and fetched by the nodes
+    assert summary["accepted_groups"] >= 3 * 2  # at least min_groups of the preset per step
+    assert summary["policy_version"] >= 1  # a version published (every 2 steps) ...
+    loaded = [json.loads((tmp_path / "run" / n / "status.json").read_text())["loaded_version"] for n in ("node-1", "node-2")]
+    assert max(loaded) >= 1  # ... fetched through the relay (541 MB, signed shards) and made live on a node
     coord = tmp_path / "run" / "coordinator"
     v1 = coord / "checkpoints" / "versions" / "v000001"
     assert (v1 / "chat_template.jinja").exists() and (v1 / "config.json").exists()
