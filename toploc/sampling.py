@@ -49,6 +49,21 @@ def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
     return (x * lo + ((x * hi) & 0xFFFF) * 65536) & M32
 
 
+def _mul32_wrapping(x: torch.Tensor, c: int) -> torch.Tensor:
+    """:func:`_mul32` in one multiply: the int64 product wraps modulo 2**64 (two's complement, as every
+    CPU torch runs on computes it) and its low 32 bits are exactly (x * c) mod 2**32. Used on CPU tensors
+    only, where it is 3x cheaper; a test pins it to the overflow-free form and to a pure-Python hash."""
+    return (x * c) & M32
+
+
+def _fmix32_fast(x: torch.Tensor) -> torch.Tensor:
+    x = x ^ (x >> 16)
+    x = _mul32_wrapping(x, _FMIX_1)
+    x = x ^ (x >> 13)
+    x = _mul32_wrapping(x, _FMIX_2)
+    return x ^ (x >> 16)
+
+
 def _fmix32(x: torch.Tensor) -> torch.Tensor:
     """MurmurHash3's 32-bit finalizer: a bijection on [0, 2**32) with full avalanche."""
     x = x ^ (x >> 16)
@@ -109,6 +124,9 @@ def _row_keys(seed, positions, device=None) -> torch.Tensor:
 def noise_at(row_keys: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     """Gumbel noise (float32) of each (row key, token id) pair: the entries of :func:`gumbel_noise` at
     those tokens, computed without touching the rest of the vocabulary."""
+    if tokens.device.type == "cpu":
+        tok = (_mul32_wrapping(tokens.to(torch.int64), _TOK_MUL) + _TOK_ADD) & M32
+        return _noise_bits_to_gumbel(_fmix32_fast(row_keys ^ tok))
     tok = (_mul32(tokens.to(torch.int64), _TOK_MUL) + _TOK_ADD) & M32
     return _noise_bits_to_gumbel(_fmix32(row_keys ^ tok))
 

@@ -152,3 +152,18 @@ def test_replay_margins_equal_the_dense_computation():
         assert abs(verdict.max_margin - float(margin.max())) <= 1e-4 * max(1.0, float(margin.max()))
         bad = tuple(int(i) for i in torch.nonzero(margin > 1e-3).flatten())
         assert verdict.mismatched_positions == bad if bad else verdict.ok
+
+
+def test_the_wrapping_multiply_equals_the_overflow_free_one_and_the_reference():
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randint(0, 2**32, (20_000,), generator=gen, dtype=torch.int64)
+    x[:4] = torch.tensor([0, 1, 2**32 - 1, 2**31])
+    for c in (0x85EBCA6B, 0xC2B2AE35, 0xC2B2AE3D, 0xFFFFFFFF):
+        assert torch.equal(sampling._mul32_wrapping(x, c), sampling._mul32(x, c))
+    assert torch.equal(sampling._fmix32_fast(x), sampling._fmix32(x))
+    keys = sampling._row_keys([0, 2**64 - 1, 123], torch.tensor([0, 7, 4095]))
+    tokens = torch.tensor([0, 49151, 17])
+    for r, (s, t) in enumerate(zip([0, 2**64 - 1, 123], [0, 7, 4095], strict=True)):
+        h = reference_hash(s, t, int(tokens[r]))
+        u = ((h >> 8) + 0.5) / (1 << 24)
+        assert abs(float(sampling.noise_at(keys[r:r + 1], tokens[r:r + 1])[0]) - (-math.log(-math.log(u)))) < 1e-5
