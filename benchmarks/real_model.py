@@ -496,10 +496,10 @@ def rl_section(model_dir: Path, steps: int, prompts_per_step: int, n: int, max_n
 
 
 SIZES = {
-    "quick": {"honest_groups": 3, "n": 8, "max_new": 72, "attack_groups": 2, "attack_n": 4, "overhead_batch": 8,
+    "quick": {"honest_groups": 3, "n": 8, "max_new": 72, "attack_groups": 2, "attack_n": 4, "attack_max_new": 48, "overhead_batch": 8,
               "overhead_tokens": 48, "rl_steps": 3, "rl_prompts": 4, "rl_n": 8, "rl_max_new": 40, "eval_prompts": 6},
-    "full": {"honest_groups": 32, "n": 16, "max_new": 80, "attack_groups": 20, "attack_n": 4, "overhead_batch": 16,
-             "overhead_tokens": 64, "rl_steps": 10, "rl_prompts": 8, "rl_n": 8, "rl_max_new": 48, "eval_prompts": 24},
+    "full": {"honest_groups": 22, "n": 16, "max_new": 80, "attack_groups": 20, "attack_n": 4, "attack_max_new": 64, "overhead_batch": 16,
+             "overhead_tokens": 64, "rl_steps": 8, "rl_prompts": 8, "rl_n": 8, "rl_max_new": 48, "eval_prompts": 24},
 }
 
 
@@ -532,15 +532,20 @@ def main(argv=None) -> int:
     prompts = Prompts(model_dir, seed=args.seed)
     result: dict = {"model": "SmolLM2-135M-Instruct", "mode": "quick" if args.quick else "full", "sizes": size,
                     "threads": 1}
-    if args.only == "honest":
-        print(json.dumps(honest_section(model_dir, prompts, size["honest_groups"], size["n"], size["max_new"]),
-                         default=float))
+    if args.only == "honest":  # the second process of --parallel: the honest matrix, then the RL run
+        out = honest_section(model_dir, prompts, size["honest_groups"], size["n"], size["max_new"])
+        if not args.skip_rl:
+            out.update(rl_section(model_dir, size["rl_steps"], size["rl_prompts"], size["rl_n"], size["rl_max_new"],
+                                  size["eval_prompts"], args.rl_lr))
+        print(json.dumps(out, default=float))
         return 0
     child = None
     if args.parallel:
         cmd = [sys.executable, __file__, "--only", "honest", "--seed", str(args.seed + 1)]
         cmd += ["--quick"] if args.quick else []
-        cmd += ["--honest-groups", str(size["honest_groups"])]
+        cmd += ["--honest-groups", str(size["honest_groups"]), "--rl-steps", str(size["rl_steps"]),
+                "--rl-lr", str(args.rl_lr)]
+        cmd += ["--skip-rl"] if args.skip_rl else []
         child = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
         result["parallel"] = True
     result.update(draw_costs())
@@ -551,11 +556,11 @@ def main(argv=None) -> int:
         work = Path(tmp)
         if not args.skip_attacks:
             result.update(attack_section(model_dir, prompts, size["attack_groups"], size["attack_n"],
-                                         size["max_new"], work, args.previous_lr))
+                                         size["attack_max_new"], work, args.previous_lr))
         if not args.skip_publish:
             result.update(publish_section(model_dir, work))
     result.update(trainer_memory_section())
-    if not args.skip_rl:
+    if not args.skip_rl and child is None:
         result.update(rl_section(model_dir, size["rl_steps"], size["rl_prompts"], size["rl_n"], size["rl_max_new"],
                                  size["eval_prompts"], args.rl_lr))
     if child is not None:
