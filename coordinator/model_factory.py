@@ -26,6 +26,7 @@ from tokenizers import Tokenizer, decoders, models, processors
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from veriroll.coordinator.environments import Environment, Prompt, load_environment
+from veriroll.coordinator.models import fsync_dir, fsync_tree
 
 __all__ = [
     "PRESETS",
@@ -228,18 +229,6 @@ def sample_completions(
     return [tokenizer.decode(row, skip_special_tokens=True) for row in rows]
 
 
-def _fsync_tree(root: Path) -> None:
-    for path in sorted(root.rglob("*")):
-        if path.is_file():
-            with open(path, "rb") as f:
-                os.fsync(f.fileno())
-    fd = os.open(root, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def save_checkpoint(model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast, out_dir: str | os.PathLike) -> Path:
     """Write a Hugging Face checkpoint directory atomically: all of it appears at ``out_dir``, or none.
 
@@ -260,16 +249,12 @@ def save_checkpoint(model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast,
         tok_config = json.loads(config_path.read_text())
         tok_config["tokenizer_class"] = "PreTrainedTokenizerFast"
         config_path.write_text(json.dumps(tok_config, indent=2) + "\n")
-        _fsync_tree(tmp)
+        fsync_tree(tmp)
         os.rename(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    fd = os.open(out.parent, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    fsync_dir(out.parent)
     return out
 
 

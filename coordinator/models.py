@@ -321,20 +321,31 @@ def save_pretrained_checkpoint(model, tokenizer, out_dir: str | os.PathLike, *, 
             _copy_non_weight_files(Path(tokenizer), tmp)
         else:
             tokenizer.save_pretrained(tmp)
-        for path in sorted(tmp.rglob("*")):
-            if path.is_file():
-                with open(path, "rb") as f:
-                    os.fsync(f.fileno())
+        fsync_tree(tmp)
         os.rename(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    fd = os.open(out.parent, os.O_RDONLY)
+    fsync_dir(out.parent)
+    return out
+
+
+def fsync_dir(path: Path) -> None:
+    """Make a directory's entries (a rename into it) durable."""
+    fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
-    return out
+
+
+def fsync_tree(root: Path) -> None:
+    """fsync every file under ``root``, then ``root`` itself."""
+    for path in sorted(root.rglob("*")):
+        if path.is_file():
+            with open(path, "rb") as f:
+                os.fsync(f.fileno())
+    fsync_dir(root)
 
 
 def _state_dict_in(model, dtype: torch.dtype | None) -> dict | None:

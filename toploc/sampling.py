@@ -56,21 +56,18 @@ def _mul32_wrapping(x: torch.Tensor, c: int) -> torch.Tensor:
     return (x * c) & M32
 
 
-def _fmix32_fast(x: torch.Tensor) -> torch.Tensor:
-    x = x ^ (x >> 16)
-    x = _mul32_wrapping(x, _FMIX_1)
-    x = x ^ (x >> 13)
-    x = _mul32_wrapping(x, _FMIX_2)
-    return x ^ (x >> 16)
-
-
-def _fmix32(x: torch.Tensor) -> torch.Tensor:
+def _fmix32(x: torch.Tensor, mul=_mul32) -> torch.Tensor:
     """MurmurHash3's 32-bit finalizer: a bijection on [0, 2**32) with full avalanche."""
     x = x ^ (x >> 16)
-    x = _mul32(x, _FMIX_1)
+    x = mul(x, _FMIX_1)
     x = x ^ (x >> 13)
-    x = _mul32(x, _FMIX_2)
+    x = mul(x, _FMIX_2)
     return x ^ (x >> 16)
+
+
+def _fmix32_fast(x: torch.Tensor) -> torch.Tensor:
+    """:func:`_fmix32` with the wrapping multiply (CPU tensors)."""
+    return _fmix32(x, _mul32_wrapping)
 
 
 def _seed_tensor(seed: int | Sequence[int] | torch.Tensor, n: int, device: torch.device) -> torch.Tensor:
