@@ -244,6 +244,12 @@ class LowPrecision(_ContentAdversary):
             engine.dtype = torch.bfloat16
             engine._install(engine.model, engine.version)
 
+    async def submit(self, agent, lease, req, results) -> None:
+        # The lie: the group is declared float32 (what the node was configured with), so the verifier
+        # holds it to float32's tolerances. Declared honestly as bfloat16 it would be a legitimate group.
+        req.compute_dtype = "float32"
+        await super().submit(agent, lease, req, results)
+
 
 # -- attacks on the tokens ----------------------------------------------------------------------------
 
