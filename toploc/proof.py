@@ -122,11 +122,14 @@ THRESHOLDS_FP32 = Thresholds(
     max_mant_err_mean=0.25,
     max_mant_err_median=0.5,
 )
+# bf16 on a real model (SmolLM2-135M, 30 layers; benchmarks/real_model.py, 1,344 honest samples): worst
+# chunk exponent share 0.086, mantissa mean 3.35, median 3 (bf16 node against a bf16 or fp32 prefill),
+# so the mantissa limits are 6 (were 4, calibrated on 2-4 layer models: 0.84 of the limit was used).
 THRESHOLDS_BF16 = Thresholds(
     max_exp_mismatch_frac=0.20,
     max_sign_mismatch_frac=0.03,
-    max_mant_err_mean=4.0,
-    max_mant_err_median=4.0,
+    max_mant_err_mean=6.0,
+    max_mant_err_median=6.0,
 )
 THRESHOLDS_FP16 = Thresholds(
     max_exp_mismatch_frac=0.10,
