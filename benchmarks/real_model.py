@@ -498,7 +498,7 @@ def rl_section(model_dir: Path, steps: int, prompts_per_step: int, n: int, max_n
 SIZES = {
     "quick": {"honest_groups": 3, "n": 8, "max_new": 72, "attack_groups": 2, "attack_n": 4, "attack_max_new": 48, "overhead_batch": 8,
               "overhead_tokens": 48, "rl_steps": 3, "rl_prompts": 4, "rl_n": 8, "rl_max_new": 40, "eval_prompts": 6},
-    "full": {"honest_groups": 22, "n": 16, "max_new": 80, "attack_groups": 20, "attack_n": 4, "attack_max_new": 64, "overhead_batch": 16,
+    "full": {"honest_groups": 26, "n": 16, "max_new": 80, "attack_groups": 20, "attack_n": 4, "attack_max_new": 64, "overhead_batch": 16,
              "overhead_tokens": 64, "rl_steps": 8, "rl_prompts": 8, "rl_n": 8, "rl_max_new": 48, "eval_prompts": 24},
 }
 
