@@ -37,7 +37,7 @@ from veriroll.coordinator.metrics import CoordinatorMetrics
 from veriroll.coordinator.prompts import PromptRenderer
 from veriroll.coordinator.rewards import RewardRunner
 from veriroll.protos.envelope import SignedHeaders, verify_signature
-from veriroll.protos.identity import PublicKey
+from veriroll.protos.identity import PublicKey, public_key_problem
 from veriroll.protos.reasons import Reason
 from veriroll.protos.v1 import coordinator_pb2 as pb
 
@@ -154,6 +154,11 @@ class CoordinatorService:
         """Signature, replay window, identity, ban and rate checks. Returns the caller (None for Register)."""
         if not self.peer_limits.allow(peer):
             raise Refusal(Reason.RATE_LIMITED, "too many requests from this address")
+        # parse_headers already refused these; checked again (a cached lookup) so that no signature is
+        # ever taken from a small-order or non-canonical key, however the headers were built.
+        problem = public_key_problem(headers.public_key.raw)
+        if problem is not None:
+            raise Refusal(Reason.BAD_KEY, problem)
         now = self.clock()
         skew = self.nonces.check_time(headers.ts_ms, now)
         if skew is Reason.CLOCK_SKEW:
@@ -215,6 +220,9 @@ class CoordinatorService:
     async def register(self, headers: SignedHeaders, req: pb.RegisterRequest) -> pb.RegisterResponse:
         if bytes(req.public_key) != headers.public_key.raw:
             raise Refusal(Reason.BAD_SIGNATURE, "Register must be signed by the key it registers")
+        problem = public_key_problem(bytes(req.public_key))
+        if problem is not None:  # never store a key anyone can sign for
+            raise Refusal(Reason.BAD_KEY, problem)
         hw = {
             "cpu": req.hardware.cpu, "cpu_count": req.hardware.cpu_count, "ram_bytes": req.hardware.ram_bytes,
             "disk_free_bytes": req.hardware.disk_free_bytes, "os": req.hardware.os, "engine": req.hardware.engine,

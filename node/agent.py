@@ -164,10 +164,15 @@ class NodeAgent:
         log.info("registered as %s (standing: %s); policy version %d", resp.node_id, resp.standing, resp.policy.version)
 
     def _set_policy(self, policy: pb.PolicyInfo) -> None:
-        from veriroll.protos.identity import PublicKey
+        from veriroll.protos.identity import InvalidPublicKey, PublicKey
 
         self.policy = policy
-        announced = PublicKey(bytes(policy.coordinator_public_key)) if len(policy.coordinator_public_key) == 32 else None
+        announced = None
+        if len(policy.coordinator_public_key) == 32:
+            try:
+                announced = PublicKey(bytes(policy.coordinator_public_key))
+            except InvalidPublicKey as exc:  # small order or non-canonical: it would verify forged manifests
+                log.error("the coordinator announces an unusable checkpoint key (%s); ignoring it", exc)
         pinned = getattr(self.versions, "coordinator_key", False)
         if pinned is None and announced is not None:
             # No key pinned in the config: trust the one the coordinator announces over TLS.

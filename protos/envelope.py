@@ -21,7 +21,7 @@ import secrets
 import time
 from dataclasses import dataclass
 
-from veriroll.protos.identity import PrivateKey, PublicKey
+from veriroll.protos.identity import InvalidPublicKey, PrivateKey, PublicKey
 
 DOMAIN = b"veriroll/v1/request"
 KEY_HEADER = "x-veriroll-key"
@@ -91,7 +91,11 @@ def parse_headers(metadata) -> SignedHeaders:
         raise EnvelopeError("bad_signature", "public key must be 32 bytes and signature 64 bytes")
     if len(nonce) != NONCE_HEX_LEN or any(c not in "0123456789abcdef" for c in nonce):
         raise EnvelopeError("bad_signature", f"nonce must be {NONCE_HEX_LEN} lowercase hex chars")
-    return SignedHeaders(PublicKey(raw), ts, nonce, sig)
+    try:
+        public_key = PublicKey(raw)
+    except InvalidPublicKey as exc:  # small order or non-canonical: signatures by it prove nothing
+        raise EnvelopeError("bad_key", str(exc)) from exc
+    return SignedHeaders(public_key, ts, nonce, sig)
 
 
 def verify_signature(headers: SignedHeaders, method: str, body: bytes) -> bool:

@@ -4,10 +4,17 @@ A private key is a PKCS#8 PEM file (mode 0600). Its public key lives beside it a
 line, ``ed25519 <64 hex chars>``, so it can be pasted into configs and issues. A node id is a pure
 function of the public key (the first 16 bytes of its SHA-256, hex), so a volunteer who keeps the key
 file keeps their identity and history; nothing else has to be backed up.
+
+Every public key that enters (a ``.pub`` file, the ``x-veriroll-key`` header, a RegisterRequest, a
+key announced in a policy) is checked by :func:`public_key_problem`: a non-canonical encoding or a
+point of small order is refused. For a small-order key ``A`` (the identity, for one) the signature
+``R = identity, S = 0`` satisfies ``[8][S]B == [8]R + [8][k]A`` for every message, and OpenSSL accepts
+it: an identity anyone could sign for without a private key.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 from dataclasses import dataclass
@@ -26,6 +33,90 @@ class KeyFileError(Exception):
     """A key file is missing, unreadable, malformed, or would be overwritten."""
 
 
+class InvalidPublicKey(ValueError):
+    """32 bytes that are not a usable Ed25519 public key (wrong length, not canonical, small order)."""
+
+
+# --- Edwards25519 point checks (pure Python) ---------------------------------------------------------
+# The curve -x^2 + y^2 = 1 + d x^2 y^2 over GF(p). Only decoding and three doublings are needed, so
+# this stays small; the result is cached per key bytes (public_key_problem).
+
+_P = 2**255 - 19
+_D = -121665 * pow(121666, _P - 2, _P) % _P
+_SQRT_M1 = pow(2, (_P - 1) // 4, _P)
+
+
+def _decode_point(raw: bytes) -> tuple[int, int] | str:
+    """The affine point ``(x, y)`` of a 32-byte encoding, or why it is not a canonical encoding of one."""
+    n = int.from_bytes(raw, "little")
+    sign = n >> 255
+    y = n & ((1 << 255) - 1)
+    if y >= _P:
+        return "non-canonical encoding (y >= 2^255 - 19)"
+    u = (y * y - 1) % _P
+    v = (_D * y * y + 1) % _P  # never 0: -1/d is not a square
+    # x = sqrt(u / v) with one exponentiation (RFC 8032, 5.1.3): x = u v^3 (u v^7)^((p - 5) / 8).
+    v3 = v * v * v % _P
+    x = u * v3 * pow(u * v3 * v3 * v % _P, (_P - 5) // 8, _P) % _P
+    vx2 = v * x * x % _P
+    if vx2 != u:
+        if vx2 != (-u) % _P:
+            return "not a point on Edwards25519"
+        x = x * _SQRT_M1 % _P
+    if x == 0 and sign:
+        return "non-canonical encoding (x = 0 with the sign bit set)"
+    if x & 1 != sign:
+        x = _P - x
+    return x, y
+
+
+def _double(pt: tuple[int, int, int, int]) -> tuple[int, int, int, int]:
+    """[2]P in extended coordinates (X:Y:Z:T), a = -1 (dbl-2008-hwcd)."""
+    x1, y1, z1, _ = pt
+    a = x1 * x1 % _P
+    b = y1 * y1 % _P
+    c = 2 * z1 * z1 % _P
+    h = (-a - b) % _P  # D - B with D = -A
+    e = ((x1 + y1) * (x1 + y1) - a - b) % _P
+    g = (b - a) % _P  # D + B
+    f = (g - c) % _P
+    return e * f % _P, g * h % _P, f * g % _P, e * h % _P
+
+
+def _public_key_problem(raw: bytes) -> str | None:
+    if len(raw) != PUBLIC_KEY_BYTES:
+        return f"an Ed25519 public key is {PUBLIC_KEY_BYTES} bytes, got {len(raw)}"
+    point = _decode_point(raw)
+    if isinstance(point, str):
+        return point
+    x, y = point
+    pt = (x, y, 1, x * y % _P)
+    for _ in range(3):
+        pt = _double(pt)
+    if pt[0] % _P == 0 and (pt[1] - pt[2]) % _P == 0:  # [8]P is the identity (X = 0, Y = Z)
+        return "small-order point (anyone can forge signatures for it)"
+    return None
+
+
+@functools.lru_cache(maxsize=16384)
+def public_key_problem(raw: bytes) -> str | None:
+    """Why ``raw`` is not an acceptable Ed25519 public key, or None when it is.
+
+    Refused: a length other than 32, a y coordinate >= p, x = 0 with the sign bit set, a y with no x
+    on the curve, and any point whose order divides 8. Cached per key bytes: the hot path is a lookup.
+    """
+    return _public_key_problem(raw)
+
+
+def check_public_key(raw: bytes) -> bytes:
+    """``raw`` as bytes when it is an acceptable public key; raises :class:`InvalidPublicKey` otherwise."""
+    raw = bytes(raw)
+    problem = public_key_problem(raw)
+    if problem is not None:
+        raise InvalidPublicKey(f"unusable Ed25519 public key {raw.hex()[:16]}...: {problem}")
+    return raw
+
+
 def node_id_of(public_key: bytes) -> str:
     """The node id of a raw 32-byte Ed25519 public key: hex of the first 16 bytes of its SHA-256."""
     if len(public_key) != PUBLIC_KEY_BYTES:
@@ -39,13 +130,17 @@ class PublicKey:
 
     raw: bytes
 
+    def __post_init__(self) -> None:
+        # Raises InvalidPublicKey: no PublicKey exists for a small-order or non-canonical key.
+        object.__setattr__(self, "raw", check_public_key(self.raw))
+
     @property
     def node_id(self) -> str:
         return node_id_of(self.raw)
 
     def verify(self, signature: bytes, message: bytes) -> bool:
         """True when ``signature`` is a valid Ed25519 signature of ``message`` by this key."""
-        if len(signature) != SIGNATURE_BYTES:
+        if len(signature) != SIGNATURE_BYTES or public_key_problem(self.raw) is not None:
             return False
         try:
             Ed25519PublicKey.from_public_bytes(self.raw).verify(signature, message)
@@ -67,7 +162,10 @@ class PublicKey:
             raise KeyFileError(f"public key is not hex: {exc}") from exc
         if len(raw) != PUBLIC_KEY_BYTES:
             raise KeyFileError(f"public key must be {PUBLIC_KEY_BYTES} bytes, got {len(raw)}")
-        return cls(raw)
+        try:
+            return cls(raw)
+        except InvalidPublicKey as exc:
+            raise KeyFileError(str(exc)) from exc
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,7 @@ class Reason(str, enum.Enum):
     UNSIGNED = "unsigned"
     BAD_SIGNATURE = "bad_signature"
     UNKNOWN_KEY = "unknown_key"
+    BAD_KEY = "bad_key"
     CLOCK_SKEW = "clock_skew"
     REPLAYED_NONCE = "replayed_nonce"
     BANNED = "banned"
@@ -68,6 +69,7 @@ _CODES = {
     Reason.UNSIGNED: _C.UNAUTHENTICATED,
     Reason.BAD_SIGNATURE: _C.UNAUTHENTICATED,
     Reason.UNKNOWN_KEY: _C.UNAUTHENTICATED,
+    Reason.BAD_KEY: _C.UNAUTHENTICATED,
     Reason.CLOCK_SKEW: _C.UNAUTHENTICATED,
     Reason.REPLAYED_NONCE: _C.UNAUTHENTICATED,
     Reason.BANNED: _C.PERMISSION_DENIED,
@@ -114,6 +116,8 @@ _MESSAGES = {
     Reason.UNSIGNED: "the request carries no signature; sign it with your node key",
     Reason.BAD_SIGNATURE: "the signature does not match the request body and method",
     Reason.UNKNOWN_KEY: "this key is not registered; call Register first",
+    Reason.BAD_KEY: ("the public key is not a usable Ed25519 key (small-order or non-canonical encoding); "
+                     "create a new key with `veriroll keygen`"),
     Reason.CLOCK_SKEW: "the request timestamp is outside the accepted window; check your system clock (NTP)",
     Reason.REPLAYED_NONCE: "this nonce was already used; every request needs a fresh nonce",
     Reason.BANNED: "this key is banned after repeated failed checks",

@@ -157,6 +157,64 @@ def test_register_must_be_signed_by_the_registered_key(base):
     run(scenario())
 
 
+IDENTITY_KEY = bytes([1]) + bytes(31)  # the identity point: small order, no private key behind it
+CONSTANT_SIGNATURE = IDENTITY_KEY + bytes(32)  # R = identity, S = 0: "valid" for every message under it
+
+
+def forged_metadata(name: str, body: bytes, key_hex: str) -> tuple[tuple[str, str], ...]:
+    """An envelope for ``body`` under ``key_hex`` with the constant signature, no private key needed."""
+    md = dict(sign_request(PrivateKey.generate(), full_method(name), body))
+    md["x-veriroll-key"] = key_hex
+    md["x-veriroll-sig"] = CONSTANT_SIGNATURE.hex()
+    return tuple(md.items())
+
+
+def test_small_order_key_with_constant_signature_cannot_register_or_call(base):
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+
+    from veriroll.coordinator.service import Refusal
+    from veriroll.protos.envelope import SignedHeaders
+    from veriroll.protos.identity import PublicKey
+
+    # The attack is real: OpenSSL alone accepts the constant signature under the identity key.
+    body = pb.RegisterRequest(public_key=IDENTITY_KEY, software_version="forger").SerializeToString()
+    Ed25519PublicKey.from_public_bytes(IDENTITY_KEY).verify(CONSTANT_SIGNATURE, b"any message at all")
+
+    async def scenario():
+        async with running_coordinator(base) as coord, node_client(coord) as honest:
+            assert summary(coord)["nodes"] == 1
+            stub = honest  # any channel will do: the forger needs no key of its own
+            md = forged_metadata("Register", body, IDENTITY_KEY.hex())
+            err = await expect_refusal(stub.call_raw("Register", body, metadata=md), grpc.StatusCode.UNAUTHENTICATED, "bad_key")
+            assert "small-order" in err.details
+            # A non-canonical encoding (y = p + 1, the identity again) and a call that needs no Register.
+            non_canonical = "ee" + "ff" * 30 + "7f"
+            pol = pb.PolicyRequest().SerializeToString()
+            md = forged_metadata("GetPolicy", pol, non_canonical)
+            err = await expect_refusal(stub.call_raw("GetPolicy", pol, metadata=md), grpc.StatusCode.UNAUTHENTICATED, "bad_key")
+            assert "non-canonical" in err.details
+            s = summary(coord)
+            assert s["nodes"] == 1  # nothing stored
+            assert s["rejections_by_reason"] == {"bad_key": 2}
+            keys = coord.db.run_sync(lambda c: [bytes(r[0]) for r in c.execute("SELECT public_key FROM nodes")])
+            assert keys == [honest.key.public.raw]
+            # Past the envelope too: headers built around PublicKey's check are refused by admit.
+            weak = object.__new__(PublicKey)
+            object.__setattr__(weak, "raw", IDENTITY_KEY)
+            headers = SignedHeaders(weak, int(time.time() * 1000), "a" * 32, CONSTANT_SIGNATURE)
+            with pytest.raises(Refusal) as info:
+                await coord.service.admit(full_method("Register"), "Register", body, headers, "127.0.0.1")
+            assert info.value.reason.value == "bad_key"
+            with pytest.raises(Refusal) as info:
+                await coord.service.register(headers, pb.RegisterRequest.FromString(body))
+            assert info.value.reason.value == "bad_key"
+            assert summary(coord)["nodes"] == 1
+            # The honest node is unaffected.
+            assert (await honest.get_policy()).policy.version == 0
+
+    run(scenario())
+
+
 def test_call_without_deadline_is_refused(base):
     async def scenario():
         async with running_coordinator(base) as coord, node_client(coord) as stub:
