@@ -261,16 +261,20 @@ def cmd_nodes(args) -> int:
 
 
 def _set_standing(args, standing: str) -> int:
+    key = args.key
+    if Path(key).exists():
+        from veriroll.protos.identity import KeyFileError, load_public_key
+
+        try:
+            key = load_public_key(key).node_id
+        except KeyFileError as exc:  # a small-order or malformed key: it never registered; say so
+            print(f"{args.key}: {exc}", file=sys.stderr)
+            return 2
     try:
         db = _open_db(args)
     except (FileNotFoundError, ConfigError) as exc:
         print(exc, file=sys.stderr)
         return 2
-    key = args.key
-    if Path(key).exists():
-        from veriroll.protos.identity import load_public_key
-
-        key = load_public_key(key).node_id
     try:
         row = db.run_sync(lambda c: st.find_node(c, key))
         if row is None:
