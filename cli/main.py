@@ -38,23 +38,17 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--show", action="store_true", help="print the node id of the existing key at --out")
     k.set_defaults(func=cmd_keygen)
 
+    # Every subcommand is first-party and shipped in the same wheel (none needs an optional extra), so
+    # they are imported unconditionally: a broken install fails loudly here instead of losing commands.
     from veriroll.coordinator.cli import register as register_coordinator
+    from veriroll.deploy.testnet import register as register_testnet
     from veriroll.node.cli import register as register_node
+    from veriroll.shardcast.cli import register as register_shardcast
 
     register_coordinator(sub)
     register_node(sub)
-    try:
-        from veriroll.shardcast.cli import register as register_shardcast
-    except ImportError:
-        register_shardcast = None
-    if register_shardcast is not None:
-        register_shardcast(sub)
-    try:
-        from veriroll.deploy.testnet import register as register_testnet
-    except ImportError:
-        register_testnet = None
-    if register_testnet is not None:
-        register_testnet(sub)
+    register_shardcast(sub)
+    register_testnet(sub)
     return parser
 
 

@@ -14,8 +14,10 @@ from pathlib import Path
 
 from veriroll.coordinator import store as st
 from veriroll.coordinator.config import CoordinatorConfig
+from veriroll.coordinator.http import start_http
 from veriroll.coordinator.metrics import CoordinatorMetrics
 from veriroll.coordinator.policy import PolicyStore
+from veriroll.coordinator.publisher import start_publisher
 from veriroll.coordinator.server import read_tls, start_server
 from veriroll.coordinator.service import CoordinatorService, PolicyState
 from veriroll.protos.config import load_config, resolve_path
@@ -76,21 +78,34 @@ class Coordinator:
 
 
 def build_verifier(cfg: CoordinatorConfig, policy_store: PolicyStore):
+    """The trusted verifier, or ``None`` only when the operator set ``intake.verify = false``.
+
+    Fails closed: the verifier is first-party, so it is imported unconditionally (even before
+    ``intake.verify`` is looked at, so a broken install fails with verification off too); an
+    ImportError propagates and the coordinator does not start. It is imported here rather than at the top of
+    the module because it pulls in torch and the TOPLOC stack, which the operator subcommands that
+    import this module (status, nodes, ...) do not need.
+    """
+    from veriroll.coordinator.verifier import TrustedVerifier
+
     if not cfg.intake.verify:
-        return None
-    try:
-        from veriroll.coordinator.verifier import TrustedVerifier
-    except ImportError:
-        log.warning("verification stages are not available in this build; groups are checked for shape only")
+        log.warning("verification is OFF by configuration (intake.verify = false): submitted groups are checked "
+                    "for shape only; never run an open network like this")
         return None
     return TrustedVerifier(policy_store, cfg)
+
+
+def verification_state(cfg: CoordinatorConfig) -> str:
+    """``"on"`` or ``"off"`` (``intake.verify = false``), as ``/api/status`` and ``coordinator status`` say it."""
+    return "on" if cfg.intake.verify else "off"
 
 
 async def start_coordinator(base_dir: str | Path, *, overrides=(), cfg: CoordinatorConfig | None = None) -> Coordinator:
     base = Path(base_dir).resolve()
     cfg = cfg or load_coordinator_config(base, overrides)
-    db = st.Database(resolve_path(base, cfg.database))
     policy_store = PolicyStore(resolve_path(base, cfg.checkpoints))
+    verifier = build_verifier(cfg, policy_store)  # first: a broken install stops here, before anything is opened
+    db = st.Database(resolve_path(base, cfg.database))
     version = db.run_sync(lambda c: st.kv_get(c, "policy_version", None))
     if version is None:
         version = policy_store.latest()
@@ -104,7 +119,7 @@ async def start_coordinator(base_dir: str | Path, *, overrides=(), cfg: Coordina
     service = CoordinatorService(
         cfg, db, environment=env, tokenizer=policy_store.tokenizer, vocab_size=policy_store.vocab_size,
         stop_token_ids=cfg.leases.stop_token_ids or policy_store.stop_token_ids, coordinator_key=key.public, policy=policy,
-        verifier=build_verifier(cfg, policy_store), metrics=metrics,
+        verifier=verifier, metrics=metrics,
     )
     coord = Coordinator(base, cfg, db, service, policy_store)
     try:
@@ -118,30 +133,19 @@ async def start_coordinator(base_dir: str | Path, *, overrides=(), cfg: Coordina
 async def _start_parts(coord: Coordinator, key) -> None:
     cfg, base = coord.cfg, coord.base_dir
     # Publisher and origin relay (shardcast) first, so GetPolicy can name them from the first call.
-    try:
-        from veriroll.coordinator.publisher import start_publisher
-    except ImportError:
-        start_publisher = None
-    if start_publisher is not None and cfg.shardcast.origin_port >= 0:
+    if cfg.shardcast.origin_port >= 0:
         await start_publisher(coord, key)
     tls = None
     if cfg.server.tls:
         tls = read_tls(resolve_path(base, cfg.server.tls_cert), resolve_path(base, cfg.server.tls_key))
     server, port, _ = await start_server(coord.service, host=cfg.server.host, port=cfg.server.port, tls=tls)
     coord.server, coord.grpc_port = server, port
-    try:
-        from veriroll.coordinator.http import start_http
-    except ImportError:
-        start_http = None
-    if start_http is not None:
-        await start_http(coord)
+    await start_http(coord)
     if cfg.trainer.enabled:
-        try:
-            from veriroll.coordinator.trainer import start_trainer
-        except ImportError:
-            start_trainer = None
-        if start_trainer is not None:
-            await start_trainer(coord)
+        # Imported here (unconditionally when enabled) only because it is heavy; an ImportError propagates.
+        from veriroll.coordinator.trainer import start_trainer
+
+        await start_trainer(coord)
     coord.tasks.append(asyncio.create_task(_housekeeping(coord)))
     ports = {"grpc": coord.grpc_port, "http": coord.http_port, "pid": os.getpid()}
     origin = getattr(coord, "origin_url", None)
@@ -150,8 +154,8 @@ async def _start_parts(coord: Coordinator, key) -> None:
     tmp = base / (PORTS_NAME + ".tmp")
     tmp.write_text(json.dumps(ports))
     tmp.replace(base / PORTS_NAME)
-    log.info("coordinator serving on %s (%s), policy version %d", coord.address, "TLS" if cfg.server.tls else "plaintext",
-             coord.service.policy.version)
+    log.info("coordinator serving on %s (%s), policy version %d, verification %s", coord.address,
+             "TLS" if cfg.server.tls else "plaintext", coord.service.policy.version, verification_state(cfg))
 
 
 async def _housekeeping(coord: Coordinator) -> None:

@@ -209,32 +209,36 @@ def _threads(n: int) -> None:
     torch.set_num_threads(n)
 
 
-def _open_db(args) -> st.Database:
+def _open_db(args) -> tuple[st.Database, CoordinatorConfig]:
     from veriroll.coordinator.app import load_coordinator_config
 
     base = Path(args.dir).resolve()
     cfg = load_coordinator_config(base)
-    return st.Database(resolve_path(base, cfg.database))
+    return st.Database(resolve_path(base, cfg.database)), cfg
 
 
-def _query(args, *ops):
-    """Run read ops on DIR's database; ``None`` (after saying why) when DIR is not a coordinator directory."""
+def _query(args, *ops, with_config: bool = False):
+    """Run read ops on DIR's database (their results, then DIR's config when ``with_config``); ``None``
+    (after saying why) when DIR is not a coordinator directory."""
     try:
-        db = _open_db(args)
+        db, cfg = _open_db(args)
     except (FileNotFoundError, ConfigError) as exc:
         print(exc, file=sys.stderr)
         return None
     try:
-        return [db.run_sync(op) for op in ops]
+        return [db.run_sync(op) for op in ops] + ([cfg] if with_config else [])
     finally:
         db.close()
 
 
 def cmd_status(args) -> int:
-    got = _query(args, st.status_summary)
+    from veriroll.coordinator.app import verification_state
+
+    got = _query(args, st.status_summary, with_config=True)
     if got is None:
         return 2
-    summary = got[0]
+    summary, cfg = got
+    summary["verification"] = verification_state(cfg)  # "off" only with intake.verify = false
     if args.json:
         print(json.dumps(summary))
     else:
@@ -271,7 +275,7 @@ def _set_standing(args, standing: str) -> int:
             print(f"{args.key}: {exc}", file=sys.stderr)
             return 2
     try:
-        db = _open_db(args)
+        db, _ = _open_db(args)
     except (FileNotFoundError, ConfigError) as exc:
         print(exc, file=sys.stderr)
         return 2

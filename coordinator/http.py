@@ -11,6 +11,7 @@ for a second, so any number of open dashboards cost one query set per second.
 
     {
       "time_ms": int,                       # coordinator clock
+      "verification": "on" | "off",         # "off" only with intake.verify = false (groups checked for shape only)
       "summary": {policy_version, nodes, open_leases, accepted_groups, unconsumed_groups,
                   rejections_by_reason: {reason: n}, banned_nodes, trainer_step},
       "policy": {"version": int, "s_max": int, "relays": [url]},
@@ -225,6 +226,7 @@ class StatusSource:
             now = svc.clock()
             body = await self.coord.db.run_read(lambda c: read_status(c, now, window_s, max_points))
             body["time_ms"] = now
+            body["verification"] = "on" if self.coord.cfg.intake.verify else "off"
             body["policy"] = {"version": svc.policy.version, "s_max": self.coord.cfg.intake.s_max,
                               "relays": list(svc.policy.relays)}
             body["trainer"] = {k[0]: v for k, v in sorted(svc.metrics.trainer.values.items())}

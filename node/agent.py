@@ -25,6 +25,7 @@ from veriroll.node.hardware import Hardware
 from veriroll.protos.identity import PrivateKey
 from veriroll.protos.service import CallError, SignedStub
 from veriroll.protos.v1 import coordinator_pb2 as pb
+from veriroll.toploc import commit_many  # noqa: F401 - fail closed: a node that cannot make proofs won't start
 
 _DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16", "float": "float32"}
 
@@ -285,6 +286,10 @@ class NodeAgent:
             t0 = time.perf_counter()
             results = (await asyncio.to_thread(engine.generate, [request]))[0]
             gen_s = time.perf_counter() - t0
+            if any(not r.proof for r in results):
+                # Never submit unproven samples: an engine without proofs is broken, so stop the node.
+                raise RuntimeError(f"engine {type(engine).__name__} returned a sample without a TOPLOC proof for "
+                                   f"lease {lease.lease_id}; refusing to submit")
             req = pb.SubmitGroupRequest(lease_id=lease.lease_id, policy_version=lease.policy_version,
                                         compute_dtype=dtype_name(getattr(engine, "dtype", "float32")), samples=[
                 pb.Sample(token_ids=r.token_ids, logprobs=np.asarray(r.logprobs, dtype="<f4").tobytes(),

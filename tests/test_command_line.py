@@ -6,6 +6,7 @@ import json
 import os
 import stat
 
+import pytest
 from support import make_coordinator_dir
 
 from veriroll.cli.main import main
@@ -37,6 +38,7 @@ def test_coordinator_status_json_and_ban_unban(tmp_path, capsys):
     status = json.loads(capsys.readouterr().out)
     assert {"policy_version", "nodes", "open_leases", "accepted_groups", "rejections_by_reason", "banned_nodes"} <= set(status)
     assert status["nodes"] == 1 and status["rejections_by_reason"] == {"bad_logprobs": 1} and status["banned_nodes"] == 0
+    assert status["verification"] == "off"  # the test directories run with intake.verify = false
     assert main(["coordinator", "ban", node.node_id[:10], "--dir", str(base), "--reason", "test"]) == 0
     capsys.readouterr()
     assert main(["coordinator", "status", "--dir", str(base), "--json"]) == 0
@@ -46,3 +48,20 @@ def test_coordinator_status_json_and_ban_unban(tmp_path, capsys):
     nodes = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert nodes[0]["standing"] == "probation" and nodes[0]["rejections"] == {"bad_logprobs": 1}
     assert main(["coordinator", "status", "--dir", str(tmp_path / "nowhere")]) == 2
+
+
+def test_coordinator_status_says_verification_is_on_by_default(tmp_path, capsys):
+    base = make_coordinator_dir(tmp_path, {"intake.verify": True})
+    assert main(["coordinator", "status", "--dir", str(base), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["verification"] == "on"
+    assert main(["coordinator", "status", "--dir", str(base)]) == 0
+    assert "verification: on" in capsys.readouterr().out
+
+
+def test_every_first_party_subcommand_is_registered(capsys):
+    """No subcommand may silently vanish on a broken install: all are imported unconditionally."""
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    out = capsys.readouterr().out
+    for command in ("keygen", "coordinator", "node", "shardcast", "relay", "testnet"):
+        assert command in out

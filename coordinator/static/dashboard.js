@@ -276,6 +276,7 @@
     htmlEl("div", { class: "value" }, value, t);
     if (detail) htmlEl("div", { class: "detail" }, detail, t);
     state.tiles[label] = String(value);
+    return t;
   }
 
   function renderTiles(data) {
@@ -285,6 +286,11 @@
     const rejected = Object.values(s.rejections_by_reason || {}).reduce((a, b) => a + b, 0);
     const relaysUp = data.relays.filter((r) => r.ok).length;
     const last = data.trainer_history.length ? data.trainer_history[data.trainer_history.length - 1] : null;
+    // Verification first: "off" (intake.verify = false) means groups are checked for shape only.
+    const verification = data.verification === "off" ? "off" : data.verification === "on" ? "on" : "–";
+    const v = tile(box, "verification", verification,
+      verification === "off" ? "OFF by configuration (intake.verify = false)" : "TOPLOC + sampling checks");
+    v.setAttribute("data-verification", verification);
     tile(box, "policy version", data.policy.version, `s_max ${data.policy.s_max}`);
     tile(box, "trainer step", s.trainer_step, last && last.reward !== undefined ? `reward ${fmt(last.reward)}` : "");
     tile(box, "queue", s.unconsumed_groups, "groups waiting for the trainer");

@@ -51,22 +51,17 @@ def resolve_dtype(dtype: torch.dtype | str) -> torch.dtype:
         raise ValueError(f"unknown dtype {dtype!r}; use one of {sorted(_DTYPES)}") from None
 
 
-def _commit_fn() -> Callable[[list[torch.Tensor]], list[bytes]] | None:
-    """TOPLOC commitments for a list of ``[T, H]`` tensors, or ``None`` if ``veriroll.toploc`` has none.
+def _commit_fn() -> Callable[[list[torch.Tensor]], list[bytes]]:
+    """TOPLOC commitments for a list of ``[T, H]`` tensors (``commit_many`` shares the field arithmetic
+    of a whole group).
 
-    Imported lazily, at each call. ``commit_many`` shares the field arithmetic of a whole group.
+    Fails closed: ``veriroll.toploc`` is first-party, so an ImportError propagates; a node that cannot
+    make proofs does not start (the engine resolves this at construction). Imported here rather than
+    at the top of the module only so that it is looked up when an engine is built.
     """
-    try:
-        from veriroll.toploc import commit_many
+    from veriroll.toploc import commit_many
 
-        return commit_many
-    except ImportError:
-        pass
-    try:
-        from veriroll.toploc import commit
-    except ImportError:
-        return None
-    return lambda hiddens: [commit(h) for h in hiddens]
+    return commit_many
 
 
 def _seed_bits(seed: int) -> int:
@@ -139,7 +134,7 @@ class TorchEngine(Engine):
         self._captured: list[torch.Tensor] = []
         self._hook: torch.utils.hooks.RemovableHandle | None = None
         self._lock = threading.Lock()
-        self._warned_no_commit = False
+        self._commit_many = _commit_fn()  # no proofs, no engine: an ImportError stops the node here
         if checkpoint_dir is not None:
             self.load(Path(checkpoint_dir), version)
 
@@ -254,13 +249,10 @@ class TorchEngine(Engine):
             return results
 
     def _commit(self, hiddens: list[torch.Tensor]) -> list[bytes]:
-        commit = _commit_fn()
-        if commit is None:
-            if not self._warned_no_commit:
-                log.warning("veriroll.toploc has no commit(): samples carry empty proofs")
-                self._warned_no_commit = True
-            return [b""] * len(hiddens)
-        return commit(hiddens)
+        proofs = self._commit_many(hiddens)
+        if len(proofs) != len(hiddens) or not all(isinstance(p, bytes) and p for p in proofs):
+            raise RuntimeError("TOPLOC produced no proof for some sample; refusing to return unproven samples")
+        return proofs
 
     def _rows(self, requests: list[GenerationRequest]) -> list[_Row]:
         vocab = self.vocab_size

@@ -189,6 +189,7 @@ def test_dashboard_draws_the_coordinators_data_in_chromium(tmp_path):
     assert charts["rejections"]["bars"] >= 3  # spread over 8 minutes: several buckets
 
     assert tiles["nodes"] == "3" and tiles["accepted groups"] == "4" and tiles["trainer step"] == "0"
+    assert tiles["verification"] == "off"  # the test coordinators run with intake.verify = false
     by_name = {r["name"]: r for r in rows}
     assert set(by_name) == set(traffic.nodes)
     for name, nid in traffic.nodes.items():

@@ -6,8 +6,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import re
 import socket
+import sys
 
 import aiohttp
 import pytest
@@ -116,8 +118,9 @@ def test_status_api_reports_nodes_rejections_throughput_and_trainer_history(base
             return traffic, json.loads(body)
 
     traffic, data = run(scenario())
-    assert set(data) == {"time_ms", "summary", "policy", "nodes_by_standing", "nodes", "rejections", "throughput",
-                         "staleness", "trainer", "trainer_history", "relays"}
+    assert set(data) == {"time_ms", "verification", "summary", "policy", "nodes_by_standing", "nodes", "rejections",
+                         "throughput", "staleness", "trainer", "trainer_history", "relays"}
+    assert data["verification"] == "off"  # the test directories run with intake.verify = false
     assert data["summary"]["accepted_groups"] == 4 and data["summary"]["nodes"] == 3
     assert data["nodes_by_standing"] == {"probation": 2, "trusted": 0, "banned": 1}
     by_name = {n["display_name"]: n for n in data["nodes"]}
@@ -155,6 +158,46 @@ def test_status_api_reports_nodes_rejections_throughput_and_trainer_history(base
                                               "2": 48}
     assert data["trainer"]["reward"] == pytest.approx(0.8)
     assert data["policy"] == {"version": 0, "s_max": 2, "relays": []}
+
+
+def _status_and_verifier(base, overrides=()):
+    async def scenario():
+        async with running_coordinator(base, overrides=overrides) as coord, aiohttp.ClientSession() as s:
+            status, _, body = await get(coord.http_port, "/api/status", s)
+            assert status == 200
+            return json.loads(body), coord.service.verifier
+
+    return run(scenario())
+
+
+def test_verification_off_by_configuration_is_logged_and_shown_in_status(base, caplog):
+    caplog.set_level(logging.WARNING, logger="veriroll.coordinator")
+    data, verifier = _status_and_verifier(base, overrides=["intake.verify=false"])
+    assert verifier is None
+    assert data["verification"] == "off"
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING and r.name == "veriroll.coordinator"]
+    assert any("verification is OFF by configuration (intake.verify = false)" in r.getMessage() for r in warnings)
+
+
+def test_verification_on_runs_the_trusted_verifier_and_status_says_so(base, caplog):
+    from veriroll.coordinator.verifier import TrustedVerifier
+
+    caplog.set_level(logging.WARNING, logger="veriroll.coordinator")
+    data, verifier = _status_and_verifier(base, overrides=["intake.verify=true"])
+    assert isinstance(verifier, TrustedVerifier)
+    assert data["verification"] == "on"
+    assert not any("verification is OFF" in r.getMessage() for r in caplog.records)
+
+
+def test_a_verifier_that_cannot_be_imported_stops_the_coordinator(base, monkeypatch):
+    """Fail closed: no shape-only fallback, with verification on or off."""
+    from veriroll.coordinator.app import start_coordinator
+
+    monkeypatch.setitem(sys.modules, "veriroll.coordinator.verifier", None)  # import raises ImportError
+    for verify in ("true", "false"):
+        with pytest.raises(ImportError):
+            run(start_coordinator(base, overrides=[f"intake.verify={verify}"]))
+    assert not (base / "ports.json").exists()  # never got as far as serving
 
 
 def test_staleness_falls_back_to_the_queue_before_the_trainer_steps(base):

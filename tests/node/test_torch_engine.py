@@ -252,3 +252,16 @@ def test_create_engine_names_what_is_missing():
         create_engine("vllm")
     with pytest.raises(ValueError, match="unknown engine"):
         create_engine("tensorflow")
+
+
+def test_an_engine_that_cannot_make_proofs_refuses_to_start(checkpoints, monkeypatch):
+    """Fail closed: without ``veriroll.toploc.commit_many`` there is no engine (no empty-proof fallback)."""
+    monkeypatch.delattr(toploc, "commit_many")  # `from veriroll.toploc import commit_many` raises ImportError
+    with pytest.raises(ImportError):
+        TorchEngine(checkpoints / "v0", version=0)
+
+
+def test_generate_never_returns_samples_without_proofs(engine, monkeypatch):
+    monkeypatch.setattr(engine, "_commit_many", lambda hiddens: [b""] * len(hiddens))
+    with pytest.raises(RuntimeError, match="no proof"):
+        engine.generate(requests_mixed())
