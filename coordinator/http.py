@@ -9,6 +9,12 @@ for a second, so any number of open dashboards cost one query set per second.
 
 ``/api/status`` shape (every key always present; lists may be empty)::
 
+    query: window_s  seconds of rejections/throughput shown, in (0, 365 days], default 1 day
+           points    most trainer_history entries, an integer in [1, 2000], default 2000
+    A value that is missing is the default; one that is empty, not a finite number or out of range
+    (nan, inf, -1, 0, 1e999, "abc", "") is answered 400 with {"error", "parameter", "allowed"}.
+
+
     {
       "time_ms": int,                       # coordinator clock
       "verification": "on" | "off",         # "off" only with intake.verify = false (groups checked for shape only)
@@ -18,7 +24,8 @@ for a second, so any number of open dashboards cost one query set per second.
       "nodes_by_standing": {"probation": n, "trusted": n, "banned": n},
       "nodes": [{node_id, display_name, standing, strikes, credits, accepted_groups, accepted_tokens,
                  clean_groups, loaded_version, last_seen_ms, ban_reason, rejected, rejections: {reason: n},
-                 hardware: {...}}],
+                 hardware: {...}}],     # the MAX_LISTED_NODES most recently seen, newest first
+      "nodes_total": int,                   # all registered nodes (nodes_by_standing counts all of them too)
       "rejections": {"by_reason": {reason: n},
                      "timeline": {"bucket_s": s, "reasons": [reason],
                                   "buckets": [{"t_ms": start, "counts": {reason: n}}]}},
@@ -56,6 +63,8 @@ MAX_HISTORY_POINTS = 2000  # the page never needs more points than a screen has 
 STALENESS_STEPS = 20  # the staleness chart sums this many most recent trainer steps
 TIMELINE_BUCKETS = 60
 DEFAULT_WINDOW_S = 24 * 3600
+MAX_WINDOW_S = 365 * 86400
+MAX_LISTED_NODES = 200  # /api/status lists this many nodes (most recently seen); nodes_total counts all
 BUCKET_SIZES_S = (10, 30, 60, 300, 900, 1800, 3600, 3 * 3600, 6 * 3600, 12 * 3600, 24 * 3600)
 STATUS_CACHE_S = 1.0
 RELAY_POLL_S = 10.0
@@ -144,21 +153,20 @@ def _finite(value):
 
 
 def read_status(conn: sqlite3.Connection, now_ms: int, window_s: float = DEFAULT_WINDOW_S,
-                max_points: int = MAX_HISTORY_POINTS) -> dict:
+                max_points: int = MAX_HISTORY_POINTS, max_nodes: int = MAX_LISTED_NODES) -> dict:
     """Everything ``/api/status`` says that lives in the database, in one read transaction."""
     conn.execute("BEGIN")
     try:
         summary = st.status_summary(conn)
-        nodes = st.list_nodes(conn)
+        nodes = st.list_nodes(conn, limit=max_nodes)
         by_node = st.rejections_by_node(conn)
         since = now_ms - int(window_s * 1000)
-        standings = {s: 0 for s in st.STANDINGS}
+        standings = st.standing_counts(conn)
         for n in nodes:
             rej = by_node.get(n["node_id"], {})
             n["rejections"] = rej
             n["rejected"] = sum(rej.values())
             n["credits"] = float(n["accepted_tokens"])  # the ledger's credit unit (GetLedger): accepted tokens
-            standings[n["standing"]] = standings.get(n["standing"], 0) + 1
 
         first = conn.execute("SELECT MIN(time_ms) FROM rejections WHERE time_ms >= ?", (since,)).fetchone()[0]
         start, size = timeline_bounds(first, now_ms)
@@ -201,6 +209,7 @@ def read_status(conn: sqlite3.Connection, now_ms: int, window_s: float = DEFAULT
         "summary": summary,
         "nodes_by_standing": standings,
         "nodes": nodes,
+        "nodes_total": summary["nodes"],
         "rejections": rejections,
         "throughput": throughput,
         "staleness": staleness,
@@ -275,15 +284,36 @@ class StatusSource:
 # --- the handlers (translation only) --------------------------------------------------------------------
 
 
-def _float_param(request: web.Request, name: str, default: float, lo: float, hi: float) -> float:
-    raw = request.query.get(name)
-    if raw is None:
+class BadParameter(ValueError):
+    """A query parameter that is not in its allowed range; answered 400, never logged."""
+
+    def __init__(self, name: str, allowed: str):
+        super().__init__(f"{name} must be {allowed}")
+        self.name, self.allowed = name, allowed
+
+
+def parse_number(query, name: str, default: float, lo: float, hi: float, *, lo_open: bool = False,
+                 integer: bool = False) -> float:
+    """``query[name]`` as a finite number in ``[lo, hi]`` (``(lo, hi]`` with ``lo_open``), or ``default`` if absent.
+
+    Raises :class:`BadParameter` for anything else: empty, repeated, not a number, nan/inf, out of range,
+    or (with ``integer``) not a whole number. Nothing is clamped: the caller is told what is allowed."""
+    def show(x: float) -> str:
+        return str(int(x)) if float(x).is_integer() else f"{x:g}"
+
+    allowed = ("an integer" if integer else "a number") + f" in {'(' if lo_open else '['}{show(lo)}, {show(hi)}]"
+    values = query.getall(name, [])
+    if not values:
         return default
+    if len(values) != 1 or len(values[0]) > 32:
+        raise BadParameter(name, allowed)
     try:
-        value = float(raw)
+        value = int(values[0]) if integer else float(values[0])
     except ValueError:
-        raise web.HTTPBadRequest(text=f"{name} must be a number\n") from None
-    return min(max(value, lo), hi)
+        raise BadParameter(name, allowed) from None
+    if not math.isfinite(value) or value > hi or value < lo or (lo_open and value == lo):
+        raise BadParameter(name, allowed)
+    return value
 
 
 def make_app(coord, source: StatusSource) -> web.Application:
@@ -304,8 +334,12 @@ def make_app(coord, source: StatusSource) -> web.Application:
                                  headers={"Cache-Control": "no-cache"})
 
     async def status(request: web.Request) -> web.Response:
-        window = _float_param(request, "window_s", DEFAULT_WINDOW_S, 60, 365 * 86400)
-        points = int(_float_param(request, "points", MAX_HISTORY_POINTS, 10, 20000))
+        try:
+            window = parse_number(request.query, "window_s", DEFAULT_WINDOW_S, 0, MAX_WINDOW_S, lo_open=True)
+            points = int(parse_number(request.query, "points", MAX_HISTORY_POINTS, 1, MAX_HISTORY_POINTS, integer=True))
+        except BadParameter as exc:
+            return web.json_response({"error": str(exc), "parameter": exc.name, "allowed": exc.allowed}, status=400,
+                                     headers={"Cache-Control": "no-cache"})
         body = await source.status(window, points)
         return web.json_response(body, headers={"Cache-Control": "no-cache"})
 

@@ -223,11 +223,12 @@ class CoordinatorService:
         problem = public_key_problem(bytes(req.public_key))
         if problem is not None:  # never store a key anyone can sign for
             raise Refusal(Reason.BAD_KEY, problem)
-        hw = {
-            "cpu": req.hardware.cpu, "cpu_count": req.hardware.cpu_count, "ram_bytes": req.hardware.ram_bytes,
-            "disk_free_bytes": req.hardware.disk_free_bytes, "os": req.hardware.os, "engine": req.hardware.engine,
-            "device": req.hardware.device, "gpus": [{"name": g.name, "memory_bytes": g.memory_bytes} for g in req.hardware.gpus],
-        }
+        h = req.hardware
+        hw, software_version, display_name = st.bound_node_fields({
+            "cpu": h.cpu, "cpu_count": h.cpu_count, "ram_bytes": h.ram_bytes, "disk_free_bytes": h.disk_free_bytes,
+            "os": h.os, "engine": h.engine, "device": h.device,
+            "gpus": [{"name": g.name, "memory_bytes": g.memory_bytes} for g in h.gpus[:st.MAX_GPUS]],
+        }, req.software_version, req.display_name)
         node_id = headers.public_key.node_id
         now = self.clock()
 
@@ -236,7 +237,7 @@ class CoordinatorService:
                 "INSERT INTO nodes(node_id, public_key, registered_ms, last_seen_ms, hardware, software_version, display_name) "
                 "VALUES(?, ?, ?, ?, ?, ?, ?) ON CONFLICT(node_id) DO UPDATE SET last_seen_ms = excluded.last_seen_ms, "
                 "hardware = excluded.hardware, software_version = excluded.software_version, display_name = excluded.display_name",
-                (node_id, headers.public_key.raw, now, now, json.dumps(hw), req.software_version[:64], req.display_name[:64]),
+                (node_id, headers.public_key.raw, now, now, json.dumps(hw), software_version, display_name),
             )
             return conn.execute("SELECT standing FROM nodes WHERE node_id = ?", (node_id,)).fetchone()["standing"]
 

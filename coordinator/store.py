@@ -15,8 +15,10 @@ import json
 import queue
 import sqlite3
 import threading
+import unicodedata
 from collections.abc import Callable
 from dataclasses import dataclass
+from itertools import dropwhile, islice
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -418,16 +420,85 @@ def status_summary(conn: sqlite3.Connection) -> dict:
     }
 
 
-def list_nodes(conn: sqlite3.Connection) -> list[dict]:
-    rows = conn.execute("SELECT node_id, standing, strikes, accepted_groups, accepted_tokens, clean_groups, "
-                        "last_seen_ms, loaded_version, display_name, hardware, ban_reason FROM nodes "
-                        "ORDER BY registered_ms").fetchall()
+def list_nodes(conn: sqlite3.Connection, limit: int | None = None) -> list[dict]:
+    """Every node in registration order; with ``limit``, only the ``limit`` most recently seen (newest first).
+
+    Node-supplied fields go through :func:`bound_node_fields` again on the way out, so a row stored before
+    the bounds existed cannot make a listing large either.
+    """
+    cols = ("SELECT node_id, standing, strikes, accepted_groups, accepted_tokens, clean_groups, "
+            "last_seen_ms, loaded_version, display_name, hardware, ban_reason FROM nodes ")
+    if limit is None:
+        rows = conn.execute(cols + "ORDER BY registered_ms").fetchall()
+    else:
+        rows = conn.execute(cols + "ORDER BY last_seen_ms DESC, node_id LIMIT ?", (int(limit),)).fetchall()
     out = []
     for r in rows:
         d = dict(r)
-        d["hardware"] = json.loads(d["hardware"] or "{}")
+        try:
+            hardware = json.loads(d["hardware"] or "{}")
+        except ValueError:
+            hardware = {}
+        d["hardware"], _, d["display_name"] = bound_node_fields(hardware, "", d["display_name"] or "")
         out.append(d)
     return out
+
+
+def standing_counts(conn: sqlite3.Connection) -> dict[str, int]:
+    """``{standing: number of nodes}`` over all nodes, every standing present."""
+    counts = {s: 0 for s in STANDINGS}
+    for r in conn.execute("SELECT standing, COUNT(*) AS n FROM nodes GROUP BY standing"):
+        counts[r["standing"]] = int(r["n"])
+    return counts
+
+
+# --- bounds on what nodes say about themselves ---------------------------------------------------------
+
+NAME_CHARS = 64  # display_name, software_version (the cut display names always had)
+HARDWARE_TEXT_CHARS = 128  # hardware.cpu, .os, .engine, .device, .gpus[].name
+MAX_GPUS = 16
+
+
+def bounded_text(value, limit: int) -> str:
+    """``value`` without control/format characters (Unicode category C: NUL, newlines, bidi overrides...),
+    cut to ``limit`` characters, outer whitespace stripped. Non-strings give ``""``.
+
+    Reads only as much of ``value`` as the cut needs, so a megabyte of input costs a few hundred steps."""
+    if not isinstance(value, str):
+        return ""
+    kept = (c for c in value if not unicodedata.category(c).startswith("C"))
+    return "".join(islice(dropwhile(str.isspace, kept), limit)).rstrip()
+
+
+def _count(value) -> int:
+    """A non-negative int64 (negative, non-integer or out-of-range counts give 0)."""
+    return value if isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**63 else 0
+
+
+def bound_node_fields(hardware: dict, software_version: str, display_name: str) -> tuple[dict, str, str]:
+    """What a node says about itself in Register, bounded before it is stored or shown.
+
+    The one rule for every node-supplied string and list that the coordinator keeps or echoes (the
+    ``nodes`` row, ``/api/status``, ``veriroll-coordinator nodes``): strings lose control characters and are
+    cut (:data:`NAME_CHARS` for ``display_name`` and ``software_version``, :data:`HARDWARE_TEXT_CHARS` for
+    hardware text), at most :data:`MAX_GPUS` GPUs are kept, counts are non-negative ints, and unknown
+    hardware keys are dropped. Returns ``(hardware, software_version, display_name)``; pure, never raises.
+    """
+    hardware = hardware if isinstance(hardware, dict) else {}
+    gpus = hardware.get("gpus")
+    gpus = gpus if isinstance(gpus, list) else []
+    hw = {
+        "cpu": bounded_text(hardware.get("cpu", ""), HARDWARE_TEXT_CHARS),
+        "cpu_count": _count(hardware.get("cpu_count", 0)),
+        "ram_bytes": _count(hardware.get("ram_bytes", 0)),
+        "disk_free_bytes": _count(hardware.get("disk_free_bytes", 0)),
+        "os": bounded_text(hardware.get("os", ""), HARDWARE_TEXT_CHARS),
+        "engine": bounded_text(hardware.get("engine", ""), HARDWARE_TEXT_CHARS),
+        "device": bounded_text(hardware.get("device", ""), HARDWARE_TEXT_CHARS),
+        "gpus": [{"name": bounded_text(g.get("name", ""), HARDWARE_TEXT_CHARS), "memory_bytes": _count(g.get("memory_bytes", 0))}
+                 for g in islice((g for g in gpus if isinstance(g, dict)), MAX_GPUS)],
+    }
+    return hw, bounded_text(software_version, NAME_CHARS), bounded_text(display_name, NAME_CHARS)
 
 
 def find_node(conn: sqlite3.Connection, key_or_id: str) -> sqlite3.Row | None:

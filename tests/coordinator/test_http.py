@@ -119,7 +119,8 @@ def test_status_api_reports_nodes_rejections_throughput_and_trainer_history(base
 
     traffic, data = run(scenario())
     assert set(data) == {"time_ms", "verification", "summary", "policy", "nodes_by_standing", "nodes", "rejections",
-                         "throughput", "staleness", "trainer", "trainer_history", "relays"}
+                         "throughput", "staleness", "trainer", "trainer_history", "relays", "nodes_total"}
+    assert data["nodes_total"] == 3
     assert data["verification"] == "off"  # the test directories run with intake.verify = false
     assert data["summary"]["accepted_groups"] == 4 and data["summary"]["nodes"] == 3
     assert data["nodes_by_standing"] == {"probation": 2, "trusted": 0, "banned": 1}
@@ -319,3 +320,67 @@ def test_history_entries_get_milliseconds_for_the_time_axis():
     out = vhttp.normalize_history([{"step": 1, "time": 12.5}, {"step": 2, "time_ms": 7}, "junk", {"step": 3}])
     assert out == [{"step": 1, "time": 12.5, "time_ms": 12500}, {"step": 2, "time_ms": 7}, {"step": 3}]
     assert vhttp.normalize_history(None) == []
+
+
+BAD_VALUES = ["nan", "NaN", "inf", "-inf", "Infinity", "-1", "0", "1e999", "9" * 400, "1e12", "abc", "", "0x10",
+              "1;drop", "%00"]
+
+
+def test_status_parameters_are_parsed_strictly_and_bad_ones_answer_400(base, caplog):
+    """Issue 12: ``?window_s=nan`` answered 500 with a traceback. Every bad value is a 400 naming the parameter."""
+    caplog.set_level(logging.DEBUG)
+
+    async def scenario():
+        answers = {}
+        async with running_coordinator(base) as coord, aiohttp.ClientSession() as s:
+            await make_traffic(coord)
+            caplog.clear()
+            for name in ("window_s", "points"):
+                for value in BAD_VALUES + (["2.5", "2001"] if name == "points" else [str(366 * 86400)]):
+                    answers[name, value] = await get(coord.http_port, f"/api/status?{name}={value}", s)
+            answers["repeated"] = await get(coord.http_port, "/api/status?points=5&points=6", s)
+            answers["good"] = await get(coord.http_port, "/api/status?window_s=0.5&points=1", s)
+            answers["edges"] = await get(coord.http_port, f"/api/status?window_s={365 * 86400}&points=2000", s)
+            answers["default"] = await get(coord.http_port, "/api/status?unrelated=nan", s)
+        return answers
+
+    answers = run(scenario())
+    for key, (status, headers, body) in answers.items():
+        if key in ("good", "edges", "default"):
+            assert status == 200, (key, body[:300])
+            continue
+        assert status == 400 and headers["Content-Type"].startswith("application/json"), (key, status, body[:300])
+        err = json.loads(body)
+        name = "points" if key == "repeated" else key[0]
+        assert err["parameter"] == name and name in err["error"], err
+        assert err["allowed"] == ("an integer in [1, 2000]" if name == "points" else "a number in (0, 31536000]")
+    good = json.loads(answers["good"][2])
+    assert len(good["trainer_history"]) <= 1 and good["nodes_total"] == 3
+    loud = [r for r in caplog.records if r.levelno > logging.INFO]
+    assert not loud, [(r.name, r.getMessage()) for r in loud]
+
+
+def test_status_lists_at_most_the_most_recent_nodes_with_a_total(base):
+    """Issue 12: /api/status listed every node; it lists the MAX_LISTED_NODES most recently seen and counts all."""
+    total = vhttp.MAX_LISTED_NODES + 50
+
+    def fill(conn):
+        conn.executemany("INSERT INTO nodes(node_id, public_key, registered_ms, last_seen_ms, hardware, standing, "
+                         "display_name) VALUES(?, ?, 0, ?, ?, ?, ?)",
+                         [(f"n{i:04d}", bytes([i % 256, i // 256]) * 16, 1000 + i,
+                           json.dumps({"cpu": "c" * 100_000}),  # a row stored before the bounds existed
+                           "banned" if i < 10 else "probation", "d" * 5000) for i in range(total)])
+
+    async def scenario():
+        async with running_coordinator(base) as coord, aiohttp.ClientSession() as s:
+            await coord.db.run(fill)
+            return await get(coord.http_port, "/api/status", s)
+
+    status, _, body = run(scenario())
+    assert status == 200 and len(body) < 200_000, len(body)
+    data = json.loads(body)
+    assert data["nodes_total"] == data["summary"]["nodes"] == total
+    assert data["nodes_by_standing"] == {"probation": total - 10, "trusted": 0, "banned": 10}
+    listed = [n["node_id"] for n in data["nodes"]]
+    assert listed == [f"n{i:04d}" for i in range(total - 1, total - 1 - vhttp.MAX_LISTED_NODES, -1)]
+    assert all(len(n["hardware"]["cpu"]) == 128 and len(n["display_name"]) == 64 for n in data["nodes"])

@@ -108,3 +108,30 @@ def test_text_codec_gives_the_tokenizers_ids_and_text(tmp_path):
     for _ in range(50):
         ids = [rng.randrange(len(tok)) for _ in range(rng.randrange(1, 40))]
         assert codec.decode(ids) == tok.decode(ids, skip_special_tokens=True)
+
+
+def test_node_self_description_is_bounded_by_one_rule():
+    hw, version, name = st.bound_node_fields(
+        {"cpu": "\u202eAMD\x00 EPYC" + "9" * 1000, "cpu_count": -1, "ram_bytes": 2**70, "disk_free_bytes": True,
+         "os": 7, "engine": "torch\n", "device": " cuda ", "gpus": [{"name": "H100\t", "memory_bytes": 1}] * 40 + ["x"],
+         "extra": "x" * 10_000},
+        "0.1.0\x1b" + "v" * 100, "\n  alice\u200b " + "a" * 100)
+    assert set(hw) == {"cpu", "cpu_count", "ram_bytes", "disk_free_bytes", "os", "engine", "device", "gpus"}
+    assert hw["cpu"] == ("AMD EPYC" + "9" * 1000)[:st.HARDWARE_TEXT_CHARS]
+    assert hw["cpu_count"] == hw["ram_bytes"] == hw["disk_free_bytes"] == 0 and hw["os"] == ""
+    assert hw["engine"] == "torch" and hw["device"] == "cuda"
+    assert hw["gpus"] == [{"name": "H100", "memory_bytes": 1}] * st.MAX_GPUS
+    assert version == ("0.1.0" + "v" * 100)[:st.NAME_CHARS]
+    assert name == ("alice " + "a" * 100)[:st.NAME_CHARS]  # zero-width space (Cf) dropped, then cut
+    assert st.bound_node_fields({}, "", "") == ({"cpu": "", "cpu_count": 0, "ram_bytes": 0, "disk_free_bytes": 0,
+                                                 "os": "", "engine": "", "device": "", "gpus": []}, "", "")
+    assert st.bound_node_fields("not a dict", None, b"bytes")[1:] == ("", "")  # type: ignore[arg-type]
+
+
+def test_bounded_text_reads_only_what_the_cut_needs():
+    import time
+
+    huge = "y" * (64 * 1024 * 1024)
+    t0 = time.perf_counter()
+    assert st.bounded_text(huge, 64) == "y" * 64
+    assert time.perf_counter() - t0 < 0.5
