@@ -367,6 +367,12 @@
       htmlEl("td", { class: "num" }, n.loaded_version >= 0 ? n.loaded_version : "–", tr);
       htmlEl("td", {}, ago(n.last_seen_ms, data.time_ms), tr);
     }
+    const unlisted = (data.nodes_total || 0) - nodes.length;
+    if (unlisted > 0) {
+      const tr = htmlEl("tr", {}, null, body);
+      htmlEl("td", { colspan: 9, class: "empty" },
+        `${unlisted} more node${unlisted === 1 ? "" : "s"} not listed (the ${nodes.length} most recently seen are shown)`, tr);
+    }
     state.nodes = nodes.length;
 
     const rbody = document.querySelector("#relays tbody");
