@@ -97,7 +97,7 @@ def build_agent(cfg: NodeConfig, channel, hw=None):
     return agent
 
 
-async def _run(cfg: NodeConfig, console=None, hw=None, ran: dict | None = None) -> int:
+async def _run(cfg: NodeConfig, console=None, hw=None, ran: dict | None = None, early: dict | None = None) -> int:
     from veriroll.node.live import watch
 
     channel = _channel(cfg)
@@ -119,6 +119,8 @@ async def _run(cfg: NodeConfig, console=None, hw=None, ran: dict | None = None) 
             loop.add_signal_handler(sig, on_signal)
         except (NotImplementedError, RuntimeError):
             pass
+    if early and early.get("signal") is not None:  # told to stop while starting up
+        on_signal()
     print(f"node id {agent.key.node_id} (key {Path(cfg.key).expanduser()}); engine {agent.engine_kind} on {agent.device}",
           file=sys.stderr)
     view = asyncio.create_task(watch(lambda: agent.status, console=console))
@@ -146,6 +148,11 @@ def cmd_run(args) -> int:
     console = setup_output(args.log_level)
     from veriroll.node.engines import EngineUnavailable
 
+    # A stop signal while starting up (torch import, hardware probe) is remembered, then honoured at once.
+    early: dict = {"signal": None}
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda signum, _frame: early.update(signal=signum))
+
     try:  # before any network call: an engine that cannot run here is refused at once
         _kind, hw = check_engine(cfg)
     except EngineUnavailable as exc:
@@ -158,7 +165,7 @@ def cmd_run(args) -> int:
         print(f"created key {key_path} (node id {node_id}); back it up: it is this node's identity", file=sys.stderr)
     ran: dict = {}
     try:
-        rc = asyncio.run(_run(cfg, console, hw, ran))
+        rc = asyncio.run(_run(cfg, console, hw, ran, early))
         agent = ran.get("agent")
         if agent is not None and any(t.is_alive() for t in agent.busy_threads):
             # An abandoned generation cannot be interrupted; exit without waiting for its thread.
