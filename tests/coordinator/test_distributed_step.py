@@ -9,7 +9,6 @@ trainer's default lr (1e-4), where the update is ~1e-4 and any such element move
 
 from __future__ import annotations
 
-import gc
 import os
 
 import numpy as np
@@ -109,12 +108,12 @@ def test_two_process_step_matches_one_process_step(tmp_path, strategy):
         metrics = train_step(model, make_optimizer(model.parameters()), make_batch(), SPLIT[strategy], s_max=4)
         single[name] = before, metrics, params_of(model)
 
-    # fork: the ranks inherit the imported torch and transformers instead of importing them again.
-    # Garbage left by earlier tests in this process (gRPC channels and servers in reference cycles) is
-    # collected here first: freed by the garbage collector of a forked child, gRPC objects crash it.
-    gc.collect()
+    # spawn, not fork: by now this process has threads of earlier tests (gRPC, SQLite writers, reward
+    # pools), and a child forked while one of them holds a lock can hang for ever (seen once in a full
+    # run: one rank stuck, no CPU used); fork also crashed children that garbage-collected inherited
+    # gRPC objects. Spawned ranks import torch afresh (a few seconds) and share nothing.
     mp.start_processes(_rank, args=(2, str(tmp_path / "init"), str(tmp_path), strategy), nprocs=2, join=True,
-                       start_method="fork")
+                       start_method="spawn")
     got = torch.load(tmp_path / "rank0.pt", weights_only=False)
 
     for name, (before, metrics, after) in single.items():
