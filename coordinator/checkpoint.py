@@ -21,18 +21,12 @@ from pathlib import Path
 
 import torch
 
+from veriroll.coordinator.models import fsync_dir
+
 __all__ = ["STATE_FILE", "latest_training_state", "list_training_states", "save_training_state"]
 
 STATE_FILE = "state.pt"
 _STEP_DIR = re.compile(r"^step-(\d{8})$")
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def list_training_states(root: str | os.PathLike) -> list[tuple[int, Path]]:
@@ -64,7 +58,7 @@ def save_training_state(root: str | os.PathLike, step: int, state: dict, *, keep
             torch.save(state, f)
             f.flush()
             os.fsync(f.fileno())
-        _fsync_dir(tmp)
+        fsync_dir(tmp)
         if final.exists():
             old = root / f".{final.name}.old"
             shutil.rmtree(old, ignore_errors=True)
@@ -73,7 +67,7 @@ def save_training_state(root: str | os.PathLike, step: int, state: dict, *, keep
             shutil.rmtree(old, ignore_errors=True)
         else:
             os.rename(tmp, final)
-        _fsync_dir(root)
+        fsync_dir(root)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -12,11 +12,8 @@ any engine that loads a transformers causal LM can serve them.
 
 from __future__ import annotations
 
-import json
 import os
 import random
-import shutil
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,7 +23,7 @@ from tokenizers import Tokenizer, decoders, models, processors
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from veriroll.coordinator.environments import Environment, Prompt, load_environment
-from veriroll.coordinator.models import fsync_dir, fsync_tree
+from veriroll.coordinator.models import save_pretrained_checkpoint
 
 __all__ = [
     "PRESETS",
@@ -230,32 +227,13 @@ def sample_completions(
 
 
 def save_checkpoint(model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast, out_dir: str | os.PathLike) -> Path:
-    """Write a Hugging Face checkpoint directory atomically: all of it appears at ``out_dir``, or none.
+    """Write a Hugging Face checkpoint directory atomically: all of it appears at ``out_dir``, or none
+    (:func:`veriroll.coordinator.models.save_pretrained_checkpoint`). An existing ``out_dir`` is an error.
 
-    The files are written and fsynced in a temporary sibling directory, which is then renamed onto
-    ``out_dir``. An existing ``out_dir`` is an error: a published version is never rewritten.
+    transformers 5 records its own backend class name; older transformers (and the engines pinned to
+    them) know the same tokenizer as PreTrainedTokenizerFast, which 5 also accepts: that name is written.
     """
-    out = Path(out_dir)
-    if out.exists():
-        raise FileExistsError(f"{out} exists; a checkpoint directory is written once (choose a new one)")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    try:
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        # transformers 5 records its own backend class name; older transformers (and the engines
-        # pinned to them) know the same tokenizer as PreTrainedTokenizerFast, which 5 also accepts.
-        config_path = tmp / "tokenizer_config.json"
-        tok_config = json.loads(config_path.read_text())
-        tok_config["tokenizer_class"] = "PreTrainedTokenizerFast"
-        config_path.write_text(json.dumps(tok_config, indent=2) + "\n")
-        fsync_tree(tmp)
-        os.rename(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    fsync_dir(out.parent)
-    return out
+    return save_pretrained_checkpoint(model, tokenizer, out_dir, tokenizer_class="PreTrainedTokenizerFast")
 
 
 @dataclass(frozen=True)

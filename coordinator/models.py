@@ -294,7 +294,7 @@ WEIGHT_FILE_SUFFIXES = (".safetensors", ".safetensors.index.json", ".bin", ".bin
 
 
 def save_pretrained_checkpoint(model, tokenizer, out_dir: str | os.PathLike, *, max_shard_size: str = MAX_SHARD_SIZE,
-                               dtype: torch.dtype | None = None) -> Path:
+                               dtype: torch.dtype | None = None, tokenizer_class: str | None = None) -> Path:
     """Write model + tokenizer as an HF directory at ``out_dir`` atomically (temp sibling, fsync, rename).
 
     ``tokenizer`` is a tokenizer object (saved with ``save_pretrained``) or a checkpoint directory whose
@@ -305,6 +305,7 @@ def save_pretrained_checkpoint(model, tokenizer, out_dir: str | os.PathLike, *, 
 
     ``dtype`` (default: the model's own) is the dtype of the written weights; the model is not touched.
     Casting costs one copy of the weights in ``dtype`` while they are written (tied weights share it).
+    ``tokenizer_class``, when given, is written into ``tokenizer_config.json`` (see model_factory).
     """
     out = Path(out_dir)
     if out.exists():
@@ -321,6 +322,11 @@ def save_pretrained_checkpoint(model, tokenizer, out_dir: str | os.PathLike, *, 
             _copy_non_weight_files(Path(tokenizer), tmp)
         else:
             tokenizer.save_pretrained(tmp)
+        if tokenizer_class is not None:
+            config_path = tmp / "tokenizer_config.json"
+            tok_config = json.loads(config_path.read_text())
+            tok_config["tokenizer_class"] = tokenizer_class
+            config_path.write_text(json.dumps(tok_config, indent=2) + "\n")
         fsync_tree(tmp)
         os.rename(tmp, out)
     except BaseException:
