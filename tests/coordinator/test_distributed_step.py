@@ -85,6 +85,9 @@ def _rank(rank: int, world: int, init_file: str, out_dir: str, strategy: str) ->
             out[name] = {"metrics": metrics, "params": params_of(model)}
         if rank == 0:
             torch.save(out, os.path.join(out_dir, "rank0.pt"))
+        # Both ranks reach here before either tears gloo down: a rank whose peer closed the connections
+        # under it aborted ("terminate called without an active exception"), seen once under FSDP2.
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
