@@ -39,6 +39,15 @@ class LeaseConfig(_Section):
                                       "own (EOS from config and generation_config, plus the chat template's end-of-turn)")
     max_open_per_node: int = Field(2, ge=1, description="leases a node may hold at once")
     queue_maxsize: int = Field(64, ge=1, description="no new leases while this many accepted groups wait for the trainer")
+    probation_max_open: int = Field(1, ge=1, description="leases a node on probation may hold at once")
+    probation_leases_per_hour: float = Field(240.0, ge=0, description="leases issued per hour to one node on probation "
+                                             "(a key costs an attacker little; its work is held short until it is trusted)")
+    probation_lease_burst: float = Field(16.0, ge=1, description="leases a new node on probation may take at once before "
+                                         "probation_leases_per_hour applies")
+    probation_share: float = Field(0.5, ge=0, le=1, description="most of all open leases that nodes on probation hold "
+                                   "together (but see probation_floor)")
+    probation_floor: int = Field(16, ge=0, description="open leases nodes on probation may always hold together, whatever "
+                                 "probation_share says (a new network is all probation)")
 
 
 class IntakeConfig(_Section):

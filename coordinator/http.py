@@ -155,8 +155,7 @@ def _finite(value):
 def read_status(conn: sqlite3.Connection, now_ms: int, window_s: float = DEFAULT_WINDOW_S,
                 max_points: int = MAX_HISTORY_POINTS, max_nodes: int = MAX_LISTED_NODES) -> dict:
     """Everything ``/api/status`` says that lives in the database, in one read transaction."""
-    conn.execute("BEGIN")
-    try:
+    with st.read_transaction(conn):
         summary = st.status_summary(conn)
         nodes = st.list_nodes(conn, limit=max_nodes)
         by_node = st.rejections_by_node(conn)
@@ -168,28 +167,25 @@ def read_status(conn: sqlite3.Connection, now_ms: int, window_s: float = DEFAULT
             n["rejected"] = sum(rej.values())
             n["credits"] = float(n["accepted_tokens"])  # the ledger's credit unit (GetLedger): accepted tokens
 
-        first = conn.execute("SELECT MIN(time_ms) FROM rejections WHERE time_ms >= ?", (since,)).fetchone()[0]
+        first = st.first_rejection_ms(conn, since)
         start, size = timeline_bounds(first, now_ms)
-        rows = conn.execute("SELECT (time_ms - ?) / ? AS b, reason, COUNT(*) AS n FROM rejections WHERE time_ms >= ? "
-                            "GROUP BY b, reason", (start, size, start)).fetchall()
         n_buckets = 0 if first is None else (now_ms - start) // size + 1
         buckets = [{"t_ms": start + i * size, "counts": {}} for i in range(n_buckets)]
         reasons: set[str] = set()
-        for r in rows:
-            if 0 <= r["b"] < n_buckets:
-                buckets[r["b"]]["counts"][r["reason"]] = int(r["n"])
-                reasons.add(r["reason"])
+        for b, reason, n in st.rejections_per_bucket(conn, start, size):
+            if 0 <= b < n_buckets:
+                buckets[b]["counts"][reason] = n
+                reasons.add(reason)
         rejections = {"by_reason": summary["rejections_by_reason"],
                       "timeline": {"bucket_s": size // 1000, "reasons": sorted(reasons), "buckets": buckets}}
 
-        first = conn.execute("SELECT MIN(arrival_ms) FROM groups WHERE arrival_ms >= ?", (since,)).fetchone()[0]
+        first = st.first_arrival_ms(conn, since)
         start, size = timeline_bounds(first, now_ms)
         n_buckets = 0 if first is None else (now_ms - start) // size + 1
         tbuckets = [{"t_ms": start + i * size, "groups": 0, "tokens": 0} for i in range(n_buckets)]
-        for r in conn.execute("SELECT (arrival_ms - ?) / ? AS b, COUNT(*) AS g, SUM(tokens) AS t FROM groups "
-                              "WHERE arrival_ms >= ? GROUP BY b", (start, size, start)):
-            if 0 <= r["b"] < n_buckets:
-                tbuckets[r["b"]].update(groups=int(r["g"]), tokens=int(r["t"] or 0))
+        for b, groups, tokens in st.arrivals_per_bucket(conn, start, size):
+            if 0 <= b < n_buckets:
+                tbuckets[b].update(groups=groups, tokens=tokens)
         throughput = {"bucket_s": size // 1000, "buckets": tbuckets}
 
         history = normalize_history(st.kv_get(conn, TRAINER_HISTORY_KEY, None))
@@ -199,12 +195,9 @@ def read_status(conn: sqlite3.Connection, now_ms: int, window_s: float = DEFAULT
         else:
             # No trainer steps yet: what the queue would give it, measured against the newest version.
             version = summary["policy_version"]
-            rows = conn.execute("SELECT ? - policy_version AS s, COUNT(*) AS n FROM groups WHERE consumed_step IS NULL "
-                                "AND dropped IS NULL GROUP BY s ORDER BY s", (version,)).fetchall()
-            staleness = {"source": "queue" if rows else "none", "steps": 0,
-                         "histogram": {str(int(r["s"])): int(r["n"]) for r in rows}}
-    finally:
-        conn.execute("COMMIT")
+            queued = st.queue_staleness(conn, version)
+            staleness = {"source": "queue" if queued else "none", "steps": 0,
+                         "histogram": {str(s): n for s, n in queued.items()}}
     return {
         "summary": summary,
         "nodes_by_standing": standings,

@@ -1,21 +1,39 @@
-"""The intake pipeline's pure stages.
+"""The intake: what happens to a submitted group after the door let it in.
 
-A submitted group passes, in order of cost: signature and replay window (at the door, see
-``admission.py``) → lease → shape and bounds → staleness → verification (``verifier.py``) → reward.
-Each stage here is a function of plain data that returns ``None`` to pass or a :class:`Rejection`
-naming one :class:`~veriroll.protos.reasons.Reason`. No stage touches the network or the database.
+A submitted group passes, in order of cost: signature and replay window (at the door, ``edge.py``) →
+lease → shape and bounds → precision → staleness → verification (``verifier.py``, the only stage that
+runs the model) → reward (a worker process) → one store transaction that accepts it, or spends the
+lease and records the refusal.
+
+The stages before verification are pure functions of plain data that return ``None`` to pass or a
+:class:`Rejection` naming one :class:`~veriroll.protos.reasons.Reason`; :class:`Intake` runs them
+against the store.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
+import logging
 import math
+import random
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 
+from veriroll.coordinator import store as st
+from veriroll.coordinator.config import CoordinatorConfig
+from veriroll.coordinator.edge import Refusal
+from veriroll.coordinator.ledger import Ledger, NodeInfo
+from veriroll.coordinator.metrics import CoordinatorMetrics
+from veriroll.coordinator.policy import PolicyState
 from veriroll.protos.reasons import Reason
+from veriroll.protos.v1 import coordinator_pb2 as pb
+
+log = logging.getLogger("veriroll.coordinator")
 
 # A proof is a small header plus at most 258 bytes per 32 generated tokens; anything far beyond that is
 # junk sent to waste verifier time or disk.
@@ -44,7 +62,7 @@ class LeaseRecord:
     policy_version: int
     issued_ms: int
     deadline_ms: int
-    state: str
+    state: st.LeaseState
 
     @classmethod
     def from_row(cls, row) -> LeaseRecord:
@@ -53,7 +71,7 @@ class LeaseRecord:
             group_size=int(row["group_size"]), temperature=float(row["temperature"]),
             max_new_tokens=int(row["max_new_tokens"]), seeds=tuple(json.loads(row["seeds"])),
             stop_token_ids=tuple(json.loads(row["stop_token_ids"])), policy_version=int(row["policy_version"]),
-            issued_ms=int(row["issued_ms"]), deadline_ms=int(row["deadline_ms"]), state=row["state"],
+            issued_ms=int(row["issued_ms"]), deadline_ms=int(row["deadline_ms"]), state=st.LeaseState(row["state"]),
         )
 
 
@@ -113,10 +131,11 @@ def check_lease(lease: LeaseRecord | None, node_id: str, now_ms: int) -> Rejecti
         return Rejection(Reason.LEASE_UNKNOWN)
     if lease.node_id != node_id:
         return Rejection(Reason.LEASE_NOT_YOURS, f"lease {lease.lease_id} belongs to another node")
-    if lease.state == "submitted":
+    if lease.state == st.LeaseState.SUBMITTED:
         return Rejection(Reason.LEASE_USED)
-    if lease.state != "open" or now_ms > lease.deadline_ms:
-        return Rejection(Reason.LEASE_EXPIRED, f"lease {lease.lease_id} is {lease.state if lease.state != 'open' else 'past its deadline'}")
+    if lease.state != st.LeaseState.OPEN or now_ms > lease.deadline_ms:
+        why = lease.state if lease.state != st.LeaseState.OPEN else "past its deadline"
+        return Rejection(Reason.LEASE_EXPIRED, f"lease {lease.lease_id} is {why}")
     return None
 
 
@@ -207,3 +226,173 @@ def token_credit(sub: Submission) -> int:
 
 def is_finite_reward(x: float) -> bool:
     return isinstance(x, float) and math.isfinite(x)
+
+
+# --- the intake against the store -------------------------------------------------------------------
+
+MESSAGES_META_KEY = "_messages"
+"""Key of the rendered conversation in a stored prompt's meta (taken out again before the reward sees meta)."""
+
+
+class GroupVerifier(Protocol):
+    """The verification stages (TOPLOC, sampling, log-probs) on the trusted model of ``lease.policy_version``;
+    returns a ``verifier.VerificationResult`` (rejection, trusted_logprobs, seconds)."""
+
+    def verify_group(self, lease: LeaseRecord, prompt_ids: list[int], sub: Submission): ...
+
+
+def sample_blobs(sub: Submission) -> list[tuple[bytes, bytes, bytes | None, str]]:
+    """Each sample as stored: token ids, log-probs, trusted log-probs (filled by verification), finish reason."""
+    return [(st.pack_i32(s.token_ids), st.pack_f32(s.logprobs), None, s.finish_reason) for s in sub.samples]
+
+
+class Intake:
+    """SubmitGroup: checks, verification, rewards, then one store transaction for the verdict.
+
+    Every rejection is recorded here with its lease (and the lease spent where the content failed), and
+    raised as a counted :class:`Refusal`. The verifier and the rewards run off the event loop and off the
+    store's writer, which every node's submission waits on.
+    """
+
+    def __init__(self, cfg: CoordinatorConfig, db: st.Database, *, ledger: Ledger, policy: PolicyState,
+                 metrics: CoordinatorMetrics, clock, vocab_size: int, rewards, codec, stop_token_ids: list[int],
+                 verifier: GroupVerifier | None = None):
+        self.cfg = cfg
+        self.db = db
+        self.ledger = ledger
+        self.policy = policy
+        self.metrics = metrics
+        self.clock = clock
+        self.vocab_size = vocab_size
+        self.rewards = rewards
+        self.codec = codec
+        self.verifier = verifier
+        self._stop_ids = np.asarray(stop_token_ids, dtype=np.int64)
+        self._audit_rng = random.Random()
+        self._verify_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="veriroll-verify")
+
+    async def submit_group(self, node: NodeInfo, req: pb.SubmitGroupRequest) -> pb.SubmitGroupResponse:
+        now = self.clock()
+        sub = Submission.from_proto(req)
+        digest = content_hash(sub)
+        packed = sample_blobs(sub)  # here, so the serialized writer only writes
+        # A reader trip for the lease, its prompt and the cheap checks; the verification stages (when this
+        # group is audited) and the rewards off the store; then one writer op to accept, or to spend the
+        # lease and count the refusal. The accept re-checks that the lease is still open, so a
+        # concurrent submission of the same lease between the read and the write is caught there.
+        lease, prompt, prior, rejection = await self.db.run_read(lambda conn: self._precheck(conn, node, sub, digest, now))
+        if prior is not None:
+            return await self._accepted_response(prior["group_id"])
+        verified = False
+        if rejection is None and self.verifier is not None and self._should_audit(node):
+            rejection, trusted = await self._verify(lease, prompt, sub)
+            verified = rejection is None
+            if trusted is not None:
+                packed = [(tok, lp, st.pack_f32(t), fin) for (tok, lp, _, fin), t in zip(packed, trusted, strict=True)]
+        if rejection is not None:
+            await self._reject(node, lease, rejection)
+        rewards = await self.score(prompt, sub)
+        # Without verification there is no other evidence of honesty: accepted groups count as clean.
+        clean = verified or not self.cfg.intake.verify
+        group_id = await self.db.run(lambda conn: st.accept_group(conn, st.AcceptedGroup(
+            lease_id=lease.lease_id, node_id=node.node_id, prompt_id=lease.prompt_id, env=prompt["env"],
+            policy_version=sub.policy_version, temperature=lease.temperature, arrival_ms=now, content_hash=digest,
+            tokens=sub.num_tokens, rewards=rewards, verified=verified, clean=clean, samples=packed),
+            probation_groups=self.cfg.intake.probation_groups))
+        if group_id is None:
+            # Another submission of this lease was accepted between the check and the write.
+            await self._reject(node, lease, Rejection(Reason.LEASE_USED, "the lease was submitted concurrently"))
+        if clean and node.standing == st.Standing.PROBATION:
+            self.ledger.forget(node.node_id)  # it may have just become trusted
+        self.metrics.accepted_groups.inc()
+        self.metrics.accepted_tokens.inc(sub.num_tokens)
+        return pb.SubmitGroupResponse(accepted=True, rewards=rewards, credited_tokens=sub.num_tokens, group_id=str(group_id))
+
+    async def _verify(self, lease: LeaseRecord, prompt: dict, sub: Submission) -> tuple[Rejection | None, list | None]:
+        prompt_ids = st.unpack_i32(prompt["prompt_ids"]).tolist()
+        result = await asyncio.get_running_loop().run_in_executor(
+            self._verify_pool, self.verifier.verify_group, lease, prompt_ids, sub)
+        self.metrics.verify_latency.observe(result.seconds)
+        return result.rejection, result.trusted_logprobs
+
+    async def _reject(self, node: NodeInfo, lease: LeaseRecord | None, rejection: Rejection) -> None:
+        """Record the refusal with its lease and raise it, counted. A lease that was legitimately this
+        node's and failed a content check is spent; its prompt goes back to the pool for someone else."""
+        spend = lease is not None and lease.node_id == node.node_id and lease.state == st.LeaseState.OPEN and \
+            rejection.reason not in (Reason.LEASE_EXPIRED, Reason.LEASE_USED, Reason.LEASE_UNKNOWN)
+        also = (lambda conn: st.spend_lease(conn, lease.lease_id, lease.prompt_id)) if spend else None
+        await self.ledger.refuse(node.node_id, rejection.reason, rejection.detail, lease.lease_id if lease else "", also)
+        raise Refusal(rejection.reason, rejection.detail, counted=True)
+
+    def _precheck(self, conn, node: NodeInfo, sub: Submission, digest: str, now: int) -> tuple:
+        """(lease, prompt, prior group if this is an honest retry, rejection)."""
+        row, prompt, prior = st.load_lease(conn, sub.lease_id)
+        lease = None if row is None else LeaseRecord.from_row(row)
+        if prior is not None and lease is not None and lease.node_id == node.node_id and prior["content_hash"] == digest:
+            # An honest retry after a lost answer: the same content was accepted already. Answer the same.
+            return lease, prompt, prior, None
+        return lease, prompt, None, self.check_group(lease, node, sub, now)
+
+    def check_group(self, lease: LeaseRecord | None, node: NodeInfo, sub: Submission, now: int) -> Rejection | None:
+        """The pure stages before verification: lease, shape and bounds, precision, staleness."""
+        ic = self.cfg.intake
+        rejection = check_lease(lease, node.node_id, now)
+        if rejection is None:
+            rejection = check_shape(sub, lease, vocab_size=self.vocab_size,
+                                    max_proof_bytes_per_token=ic.max_proof_bytes_per_token, require_proof=ic.verify)
+        if rejection is None:
+            rejection = check_dtype(sub, ic.accepted_dtypes)
+        if rejection is None:
+            rejection = check_staleness(sub, self.policy.version, ic.s_max)
+        return rejection
+
+    def _should_audit(self, node: NodeInfo) -> bool:
+        if node.standing != st.Standing.TRUSTED:
+            return True
+        return self._audit_rng.random() < self.cfg.intake.audit_fraction
+
+    async def _accepted_response(self, group_id: int) -> pb.SubmitGroupResponse:
+        tokens, rewards = await self.db.run_read(lambda conn: st.group_answer(conn, group_id))
+        return pb.SubmitGroupResponse(accepted=True, rewards=rewards, credited_tokens=tokens, group_id=str(group_id))
+
+    # --- rewards ----------------------------------------------------------------------------------------
+
+    async def score(self, prompt: dict, sub: Submission) -> list[float]:
+        """Rewards recomputed from the tokens by the environment's rubric, never read from the node: in a
+        reward worker process with a time limit per sample, awaited off the store's writer and without
+        blocking the event loop. A failed reward is 0, counted and logged."""
+        result = await self.rewards.score(self._reward_prompt(prompt), self.completions(sub))
+        return self._counted(prompt, result)
+
+    def score_blocking(self, prompt: dict, sub: Submission) -> list[float]:
+        """:meth:`score`, blocking (for tests and tools that re-check stored rewards)."""
+        return self._counted(prompt, self.rewards.score_group(self._reward_prompt(prompt), self.completions(sub)))
+
+    @staticmethod
+    def _reward_prompt(prompt: dict):
+        from veriroll.coordinator.environments import Prompt
+
+        meta = json.loads(prompt["meta"] or "{}")
+        messages = meta.pop(MESSAGES_META_KEY, [])
+        return Prompt(text=prompt["text"], answer=prompt["answer"], env=prompt["env"], meta=meta, messages=messages)
+
+    def completions(self, sub: Submission) -> list[str]:
+        """Each sample's text as the rubric sees it: decoded without stop tokens or special tokens."""
+        texts = []
+        for s in sub.samples:
+            ids = np.asarray(s.token_ids, dtype=np.int64)
+            ids = ids[~np.isin(ids, self._stop_ids)]
+            texts.append(self.codec.decode(ids.tolist()))
+        return texts
+
+    def _counted(self, prompt: dict, result) -> list[float]:
+        for kind in result.errors:
+            if kind is not None:
+                self.metrics.reward_errors.inc(kind=kind)
+        if result.details:
+            log.warning("reward errors in prompt %s of environment %s (scored 0): %s",
+                        prompt["prompt_id"], prompt["env"], "; ".join(result.details))
+        return result.rewards
+
+    def close(self) -> None:
+        self._verify_pool.shutdown(wait=False, cancel_futures=True)

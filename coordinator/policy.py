@@ -79,3 +79,30 @@ class PolicyStore:
         from veriroll.coordinator.models import tokenizer_facts
 
         return tokenizer_facts(self.tokenizer, self.model_config, self.generation_config).stop_token_ids
+
+
+class PolicyState:
+    """The current policy version: what nodes are told to generate with and what intake measures staleness
+    against. It has one owner: the trainer moves it forward (:meth:`advance`) once a step's commit naming
+    the new version is durable; everything else reads it. ``relays`` and ``manifest_path`` are what
+    GetPolicy announces with it.
+    """
+
+    def __init__(self, version: int = 0, relays: list[str] | None = None, manifest_path: str = "",
+                 on_advance=None):
+        self._version = int(version)
+        self.relays = list(relays or [])
+        self.manifest_path = manifest_path
+        self._on_advance = on_advance
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    def advance(self, version: int) -> None:
+        """Make ``version`` current. Versions only move forward; going back is a bug, refused loudly."""
+        if version < self._version:
+            raise ValueError(f"policy version cannot go back from {self._version} to {version}")
+        self._version = int(version)
+        if self._on_advance is not None:
+            self._on_advance(self._version)

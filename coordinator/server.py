@@ -1,9 +1,9 @@
-"""The gRPC edge: raw bytes in, signature checked over exactly those bytes, reasons out as status codes.
+"""The gRPC edge: raw bytes in, reasons out as status codes.
 
-Handlers are registered with no request deserializer, so each one receives the serialized request
-and hashes it before parsing (interceptors never see the body). Every refusal sets the
-``x-veriroll-reason`` trailer, aborts with the reason's status code and a ``reason: message``
-detail, and is counted.
+Handlers are registered with no request deserializer, so the service receives the serialized request
+and checks the signature over exactly those bytes before parsing (interceptors never see the body).
+Every refusal, already counted by the service, sets the ``x-veriroll-reason`` trailer and aborts with
+the reason's status code and a ``reason: message`` detail.
 """
 
 from __future__ import annotations
@@ -13,13 +13,11 @@ import time
 from pathlib import Path
 
 import grpc
-from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from veriroll.coordinator.admission import peer_address
 from veriroll.coordinator.service import CoordinatorService, Refusal
-from veriroll.protos.envelope import REASON_TRAILER, EnvelopeError, parse_headers
-from veriroll.protos.reasons import Reason
+from veriroll.protos.envelope import REASON_TRAILER
 from veriroll.protos.service import METHODS, SERVICE, full_method
 
 log = logging.getLogger("veriroll.coordinator.server")
@@ -45,70 +43,20 @@ class _Edge(grpc.GenericRpcHandler):
         return self._handlers.get(handler_call_details.method)
 
     def _make(self, name: str):
-        request_type = METHODS[name][0]
-        method = full_method(name)
         svc = self.svc
-        impl = {
-            "Register": None,
-            "Heartbeat": svc.heartbeat,
-            "LeaseWork": svc.lease_work,
-            "SubmitGroup": svc.submit_group,
-            "GetPolicy": svc.get_policy,
-            "GetLedger": svc.get_ledger,
-        }[name]
 
         async def handle(body: bytes, context: grpc.aio.ServicerContext):
             start = time.perf_counter()
-            node_id = ""
             try:
-                if context.time_remaining() is None:
-                    raise Refusal(Reason.DEADLINE_REQUIRED)
-                if len(body) > svc.cfg.server.max_message_bytes:
-                    raise Refusal(Reason.MESSAGE_TOO_LARGE,
-                                  f"{len(body)} bytes > {svc.cfg.server.max_message_bytes} accepted")
-                try:
-                    headers = parse_headers(context.invocation_metadata())
-                except EnvelopeError as exc:
-                    raise Refusal(Reason(exc.reason), str(exc)) from exc
-                node = await svc.admit(method, name, body, headers, peer_address(context.peer()))
-                node_id = node.node_id if node else ""
-                try:
-                    request = request_type.FromString(body)
-                except DecodeError as exc:
-                    raise Refusal(Reason.MALFORMED, f"cannot parse {request_type.__name__}: {exc}") from exc
-                if impl is None:
-                    response = await svc.register(headers, request)
-                else:
-                    response = await impl(node, request)
-                svc.metrics.requests.inc(method=name, result="ok")
-                return response
-            except Refusal as refusal:
-                svc.metrics.requests.inc(method=name, result=refusal.reason.value)
-                if name != "SubmitGroup" or refusal.reason not in _COUNTED_BY_INTAKE:
-                    await svc.count_refusal(node_id, refusal.reason, refusal.detail)
+                return await svc.call(name, body, context.invocation_metadata(), peer_address(context.peer()),
+                                      has_deadline=context.time_remaining() is not None)
+            except Refusal as refusal:  # counted by the service; here only mapped to a status code
                 context.set_trailing_metadata(((REASON_TRAILER, refusal.reason.value),))
                 await context.abort(refusal.reason.code, f"{refusal.reason.value}: {refusal.detail}")
-            except grpc.aio.AbortError:
-                raise
-            except Exception:  # noqa: BLE001 - never crash the edge; nothing was accepted
-                log.exception("internal error in %s", name)
-                svc.metrics.requests.inc(method=name, result="internal")
-                await svc.count_refusal(node_id, Reason.INTERNAL, f"internal error in {name}")
-                context.set_trailing_metadata(((REASON_TRAILER, Reason.INTERNAL.value),))
-                await context.abort(grpc.StatusCode.INTERNAL, f"internal: {Reason.INTERNAL.message}")
             finally:
                 svc.metrics.request_latency.observe(time.perf_counter() - start, method=name)
 
         return handle
-
-
-# SubmitGroup counts its own content rejections (with the lease attached); the edge counts the rest.
-_COUNTED_BY_INTAKE = frozenset({
-    Reason.LEASE_UNKNOWN, Reason.LEASE_NOT_YOURS, Reason.LEASE_EXPIRED, Reason.LEASE_USED,
-    Reason.WRONG_GROUP_SIZE, Reason.VERSION_MISMATCH, Reason.TOO_LONG, Reason.TOKEN_OUT_OF_VOCAB,
-    Reason.BAD_LOGPROBS, Reason.PROOF_TOO_LARGE, Reason.BAD_FINISH, Reason.STALE_VERSION,
-    Reason.TOPLOC_FAILED, Reason.SAMPLING_FAILED, Reason.LOGPROB_MISMATCH,
-})
 
 
 def server_options(service: CoordinatorService) -> list[tuple[str, int]]:

@@ -18,6 +18,7 @@ import threading
 import unicodedata
 from collections.abc import Callable
 from dataclasses import dataclass
+from enum import StrEnum
 from itertools import dropwhile, islice
 from pathlib import Path
 from typing import Any, TypeVar
@@ -66,7 +67,8 @@ CREATE TABLE IF NOT EXISTS leases (
     policy_version INTEGER NOT NULL,
     issued_ms INTEGER NOT NULL,
     deadline_ms INTEGER NOT NULL,
-    state TEXT NOT NULL DEFAULT 'open'
+    state TEXT NOT NULL DEFAULT 'open',
+    probation INTEGER NOT NULL DEFAULT 0
 );
 CREATE INDEX IF NOT EXISTS leases_open ON leases(state, deadline_ms);
 CREATE INDEX IF NOT EXISTS leases_node ON leases(node_id, state);
@@ -141,6 +143,35 @@ BEGIN
 END;
 """
 
+# Open leases, in all and those issued to probation nodes, kept like queued_groups: a lease request reads
+# them in O(1) to apply the probation share. Run after the probation column exists (see connect).
+_LEASE_COUNTERS = """
+CREATE TRIGGER IF NOT EXISTS leases_open_insert AFTER INSERT ON leases WHEN NEW.state = 'open'
+BEGIN
+    UPDATE counters SET value = value + 1 WHERE name = 'open_leases';
+    UPDATE counters SET value = value + NEW.probation WHERE name = 'open_probation_leases';
+END;
+CREATE TRIGGER IF NOT EXISTS leases_open_update AFTER UPDATE OF state ON leases
+BEGIN
+    UPDATE counters SET value = value + (NEW.state = 'open') - (OLD.state = 'open') WHERE name = 'open_leases';
+    UPDATE counters SET value = value + NEW.probation * (NEW.state = 'open') - OLD.probation * (OLD.state = 'open')
+    WHERE name = 'open_probation_leases';
+END;
+CREATE TRIGGER IF NOT EXISTS leases_open_delete AFTER DELETE ON leases WHEN OLD.state = 'open'
+BEGIN
+    UPDATE counters SET value = value - 1 WHERE name = 'open_leases';
+    UPDATE counters SET value = value - OLD.probation WHERE name = 'open_probation_leases';
+END;
+"""
+_INIT_LEASE_COUNTERS = """
+INSERT INTO counters(name, value)
+SELECT 'open_leases', (SELECT COUNT(*) FROM leases WHERE state = 'open')
+WHERE NOT EXISTS (SELECT 1 FROM counters WHERE name = 'open_leases');
+INSERT INTO counters(name, value)
+SELECT 'open_probation_leases', (SELECT COUNT(*) FROM leases WHERE state = 'open' AND probation = 1)
+WHERE NOT EXISTS (SELECT 1 FROM counters WHERE name = 'open_probation_leases');
+"""
+
 # Run after SCHEMA: a database from before the counter (or a fresh one) starts it from a full count,
 # in one statement, so a group inserted concurrently is counted exactly once.
 _INIT_COUNTERS = """
@@ -149,7 +180,35 @@ SELECT 'queued_groups', (SELECT COUNT(*) FROM groups WHERE consumed_step IS NULL
 WHERE NOT EXISTS (SELECT 1 FROM counters WHERE name = 'queued_groups')
 """
 
-STANDINGS = ("probation", "trusted", "banned")
+
+
+class Standing(StrEnum):
+    """A node's standing: new keys start on probation, clean verified groups make them trusted, strikes or
+    an operator ban them."""
+
+    PROBATION = "probation"
+    TRUSTED = "trusted"
+    BANNED = "banned"
+
+
+class LeaseState(StrEnum):
+    """open → submitted (group accepted) | rejected (content failed; prompt back to the pool) | expired."""
+
+    OPEN = "open"
+    SUBMITTED = "submitted"
+    REJECTED = "rejected"
+    EXPIRED = "expired"
+
+
+class PromptState(StrEnum):
+    """pending (in the pool) → leased → done (a group was accepted for it), or back to pending."""
+
+    PENDING = "pending"
+    LEASED = "leased"
+    DONE = "done"
+
+
+STANDINGS = tuple(s.value for s in Standing)
 
 
 def pack_i32(values) -> bytes:
@@ -179,6 +238,12 @@ def connect(path: str | Path) -> sqlite3.Connection:
     conn.executescript(SCHEMA)
     if conn.execute("SELECT 1 FROM counters WHERE name = 'queued_groups'").fetchone() is None:
         conn.execute(_INIT_COUNTERS)
+    if "probation" not in {r["name"] for r in conn.execute("PRAGMA table_info(leases)")}:
+        # A database from before probation caps: its open leases count as trusted ones.
+        conn.execute("ALTER TABLE leases ADD COLUMN probation INTEGER NOT NULL DEFAULT 0")
+    conn.executescript(_LEASE_COUNTERS)
+    if conn.execute("SELECT COUNT(*) FROM counters WHERE name IN ('open_leases', 'open_probation_leases')").fetchone()[0] < 2:
+        conn.executescript("BEGIN IMMEDIATE;" + _INIT_LEASE_COUNTERS + "COMMIT;")
     return conn
 
 
@@ -411,7 +476,7 @@ def status_summary(conn: sqlite3.Connection) -> dict:
     return {
         "policy_version": int(kv_get(conn, "policy_version", 0)),
         "nodes": int(one("SELECT COUNT(*) FROM nodes")),
-        "open_leases": int(one("SELECT COUNT(*) FROM leases WHERE state = 'open'")),
+        "open_leases": open_lease_totals(conn)[0],
         "accepted_groups": int(one("SELECT COUNT(*) FROM groups")),
         "unconsumed_groups": queued_groups(conn),
         "rejections_by_reason": rejections_by_reason(conn),
@@ -450,6 +515,351 @@ def standing_counts(conn: sqlite3.Connection) -> dict[str, int]:
     for r in conn.execute("SELECT standing, COUNT(*) AS n FROM nodes GROUP BY standing"):
         counts[r["standing"]] = int(r["n"])
     return counts
+
+
+# --- named operations: every statement the coordinator runs on its state ------------------------------
+#
+# Each is a plain function of a connection, run by the caller inside one writer transaction
+# (``Database.run``) or one read (``Database.run_read``); callers compose them, never write SQL.
+
+
+@dataclass(frozen=True)
+class NodeRow:
+    """What the door needs to know about a registered node."""
+
+    node_id: str
+    public_key: bytes
+    standing: Standing
+
+
+def node_by_id(conn: sqlite3.Connection, node_id: str) -> NodeRow | None:
+    """One node by its id (the primary key): the same cost at 10 or 10,000 registered nodes."""
+    r = conn.execute("SELECT node_id, public_key, standing FROM nodes WHERE node_id = ?", (node_id,)).fetchone()
+    return None if r is None else NodeRow(r["node_id"], bytes(r["public_key"]), Standing(r["standing"]))
+
+
+def register_node(conn: sqlite3.Connection, node_id: str, public_key: bytes, now_ms: int, hardware: dict,
+                  software_version: str, display_name: str) -> NodeRow:
+    """Insert a new node on probation, or refresh a known one's self-description (its standing is kept)."""
+    r = conn.execute(
+        "INSERT INTO nodes(node_id, public_key, registered_ms, last_seen_ms, hardware, software_version, display_name) "
+        "VALUES(?, ?, ?, ?, ?, ?, ?) ON CONFLICT(node_id) DO UPDATE SET last_seen_ms = excluded.last_seen_ms, "
+        "hardware = excluded.hardware, software_version = excluded.software_version, display_name = excluded.display_name "
+        "RETURNING standing",
+        (node_id, public_key, now_ms, now_ms, json.dumps(hardware), software_version, display_name),
+    ).fetchone()
+    return NodeRow(node_id, public_key, Standing(r["standing"]))
+
+
+def touch_node(conn: sqlite3.Connection, node_id: str, now_ms: int, loaded_version: int) -> None:
+    """A heartbeat: when the node was last seen and which version it has loaded."""
+    conn.execute("UPDATE nodes SET last_seen_ms = ?, loaded_version = ? WHERE node_id = ?",
+                 (now_ms, loaded_version, node_id))
+
+
+def node_ledger(conn: sqlite3.Connection, node_id: str) -> dict | None:
+    """A node's row and its refusals by reason (GetLedger)."""
+    row = conn.execute("SELECT * FROM nodes WHERE node_id = ?", (node_id,)).fetchone()
+    if row is None:
+        return None
+    return {**dict(row), "rejections_by_reason": rejections_by_reason(conn, node_id)}
+
+
+def record_refusal(conn: sqlite3.Connection, node_id: str, reason: str, *, strike: bool, strike_limit: int,
+                   lease_id: str = "", detail: str = "", now_ms: int = 0) -> int | None:
+    """Count a refusal; for a hard failure, strike the node (a trusted node goes back on probation) and
+    ban it at ``strike_limit`` strikes. Returns the node's strikes when this refusal banned it, else None."""
+    count_rejection(conn, node_id, reason, lease_id, detail, now_ms, log=bool(node_id))
+    if not (node_id and strike):
+        return None
+    row = conn.execute("UPDATE nodes SET strikes = strikes + 1, clean_groups = 0, "
+                       "standing = CASE WHEN standing = ? THEN ? ELSE standing END "
+                       "WHERE node_id = ? RETURNING strikes, standing",
+                       (Standing.TRUSTED, Standing.PROBATION, node_id)).fetchone()
+    if row is None or row["strikes"] < strike_limit or row["standing"] == Standing.BANNED:
+        return None
+    set_standing(conn, node_id, Standing.BANNED, f"{row['strikes']} strikes, last: {reason}")
+    return int(row["strikes"])
+
+
+def expire_leases(conn: sqlite3.Connection, now_ms: int) -> int:
+    """Open leases past their deadline become expired; their prompts go back to the pool."""
+    rows = conn.execute("UPDATE leases SET state = ? WHERE state = ? AND deadline_ms < ? RETURNING prompt_id",
+                        (LeaseState.EXPIRED, LeaseState.OPEN, now_ms)).fetchall()
+    for r in rows:
+        _return_prompt(conn, r["prompt_id"])
+    return len(rows)
+
+
+def _return_prompt(conn: sqlite3.Connection, prompt_id: int) -> None:
+    conn.execute("UPDATE prompts SET state = ? WHERE prompt_id = ? AND state = ?",
+                 (PromptState.PENDING, prompt_id, PromptState.LEASED))
+
+
+def open_leases_of(conn: sqlite3.Connection, node_id: str) -> int:
+    """Open leases held by one node (an index range of at most ``max_open_per_node`` rows)."""
+    return int(conn.execute("SELECT COUNT(*) FROM leases WHERE node_id = ? AND state = ?",
+                            (node_id, LeaseState.OPEN)).fetchone()[0])
+
+
+def open_lease_totals(conn: sqlite3.Connection) -> tuple[int, int]:
+    """(open leases, open leases issued to probation nodes), in O(1) from the trigger-kept counters."""
+    rows = dict(conn.execute("SELECT name, value FROM counters WHERE name IN ('open_leases', 'open_probation_leases')")
+                .fetchall())
+    return int(rows.get("open_leases", 0)), int(rows.get("open_probation_leases", 0))
+
+
+def take_pending_prompt(conn: sqlite3.Connection) -> tuple[int, list[int], str] | None:
+    """The oldest prompt back in the pool (its lease expired or was spent), now leased: (id, token ids, env)."""
+    row = conn.execute("UPDATE prompts SET state = ?, attempts = attempts + 1 WHERE prompt_id = "
+                       "(SELECT prompt_id FROM prompts WHERE state = ? ORDER BY prompt_id LIMIT 1) "
+                       "RETURNING prompt_id, prompt_ids, env", (PromptState.LEASED, PromptState.PENDING)).fetchone()
+    return None if row is None else (int(row[0]), unpack_i32(row[1]).tolist(), row[2])
+
+
+def insert_leased_prompt(conn: sqlite3.Connection, env: str, text: str, answer: str, meta: dict,
+                         prompt_ids: list[int]) -> int:
+    """Store a freshly drawn prompt as leased and count the draw (``prompts_drawn``, to resume the stream)."""
+    cur = conn.execute("INSERT INTO prompts(env, text, answer, meta, prompt_ids, state, attempts) "
+                       "VALUES(?, ?, ?, ?, ?, ?, 1)",
+                       (env, text, answer, json.dumps(meta), pack_i32(prompt_ids), PromptState.LEASED))
+    conn.execute("INSERT INTO kv(key, value) VALUES('prompts_drawn', '1') "
+                 "ON CONFLICT(key) DO UPDATE SET value = CAST(value AS INTEGER) + 1")
+    return int(cur.lastrowid)
+
+
+def prompts_drawn(conn: sqlite3.Connection) -> int:
+    return int(kv_get(conn, "prompts_drawn", 0))
+
+
+@dataclass(frozen=True)
+class NewLease:
+    lease_id: str
+    node_id: str
+    prompt_id: int
+    group_size: int
+    temperature: float
+    max_new_tokens: int
+    seeds: list[int]
+    stop_token_ids: list[int]
+    policy_version: int
+    issued_ms: int
+    deadline_ms: int
+    probation: bool
+
+
+def insert_lease(conn: sqlite3.Connection, lease: NewLease) -> None:
+    conn.execute(
+        "INSERT INTO leases(lease_id, node_id, prompt_id, group_size, temperature, max_new_tokens, seeds, "
+        "stop_token_ids, policy_version, issued_ms, deadline_ms, state, probation) "
+        "VALUES(?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+        (lease.lease_id, lease.node_id, lease.prompt_id, lease.group_size, lease.temperature, lease.max_new_tokens,
+         json.dumps(lease.seeds), json.dumps(lease.stop_token_ids), lease.policy_version, lease.issued_ms,
+         lease.deadline_ms, LeaseState.OPEN, int(lease.probation)),
+    )
+
+
+def load_lease(conn: sqlite3.Connection, lease_id: str) -> tuple[sqlite3.Row | None, dict | None, dict | None]:
+    """A lease row, its prompt, and the group already accepted for it (if any)."""
+    row = conn.execute("SELECT * FROM leases WHERE lease_id = ?", (lease_id,)).fetchone()
+    if row is None:
+        return None, None, None
+    prompt = dict(conn.execute("SELECT * FROM prompts WHERE prompt_id = ?", (row["prompt_id"],)).fetchone())
+    group = conn.execute("SELECT group_id, content_hash FROM groups WHERE lease_id = ?", (lease_id,)).fetchone()
+    return row, prompt, dict(group) if group else None
+
+
+def spend_lease(conn: sqlite3.Connection, lease_id: str, prompt_id: int) -> bool:
+    """An open lease whose group failed a content check is spent; its prompt goes back to the pool."""
+    n = conn.execute("UPDATE leases SET state = ? WHERE lease_id = ? AND state = ?",
+                     (LeaseState.REJECTED, lease_id, LeaseState.OPEN)).rowcount
+    if n:
+        _return_prompt(conn, prompt_id)
+    return bool(n)
+
+
+@dataclass(frozen=True)
+class AcceptedGroup:
+    lease_id: str
+    node_id: str
+    prompt_id: int
+    env: str
+    policy_version: int
+    temperature: float
+    arrival_ms: int
+    content_hash: str
+    tokens: int
+    rewards: list[float]
+    verified: bool  # the verification stages ran and passed
+    clean: bool  # counts towards leaving probation (verified, or verification is off for this coordinator)
+    # Per sample: (token ids, log-probs, trusted log-probs or None) as packed blobs, and the finish reason.
+    samples: list[tuple[bytes, bytes, bytes | None, str]]
+
+
+def accept_group(conn: sqlite3.Connection, group: AcceptedGroup, *, probation_groups: int) -> int | None:
+    """Spend the lease on the group, store the group, mark its prompt done and credit the node; the group id,
+    or None when the lease is no longer open (a concurrent submission won)."""
+    n = conn.execute("UPDATE leases SET state = ? WHERE lease_id = ? AND state = ?",
+                     (LeaseState.SUBMITTED, group.lease_id, LeaseState.OPEN)).rowcount
+    if n != 1:
+        return None
+    mean_reward = sum(group.rewards) / len(group.rewards) if group.rewards else 0.0
+    cur = conn.execute(
+        "INSERT INTO groups(lease_id, node_id, prompt_id, env, policy_version, temperature, arrival_ms, content_hash, "
+        "tokens, mean_reward, verified) VALUES(?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+        (group.lease_id, group.node_id, group.prompt_id, group.env, group.policy_version, group.temperature,
+         group.arrival_ms, group.content_hash, group.tokens, mean_reward, int(group.verified)),
+    )
+    gid = int(cur.lastrowid)
+    conn.executemany(
+        "INSERT INTO samples(group_id, idx, token_ids, logprobs, trusted_logprobs, reward, finish_reason) "
+        "VALUES(?, ?, ?, ?, ?, ?, ?)",
+        [(gid, i, tok, lp, trusted, group.rewards[i], finish)
+         for i, (tok, lp, trusted, finish) in enumerate(group.samples)])
+    conn.execute("UPDATE prompts SET state = ? WHERE prompt_id = ?", (PromptState.DONE, group.prompt_id))
+    credit_node(conn, group.node_id, group.tokens, clean=group.clean, now_ms=group.arrival_ms,
+                probation_groups=probation_groups)
+    return gid
+
+
+def credit_node(conn: sqlite3.Connection, node_id: str, tokens: int, *, clean: bool, now_ms: int,
+                probation_groups: int) -> None:
+    """Credit an accepted group; ``probation_groups`` clean groups since the last strike make a node trusted."""
+    # SET expressions see the row before the update: clean_groups + ? is the new count.
+    conn.execute(
+        "UPDATE nodes SET accepted_groups = accepted_groups + 1, accepted_tokens = accepted_tokens + ?, "
+        "clean_groups = clean_groups + ?, last_seen_ms = ?, standing = CASE WHEN standing = ? "
+        "AND clean_groups + ? >= ? THEN ? ELSE standing END WHERE node_id = ?",
+        (tokens, int(clean), now_ms, Standing.PROBATION, int(clean), probation_groups, Standing.TRUSTED, node_id),
+    )
+
+
+def group_answer(conn: sqlite3.Connection, group_id: int) -> tuple[int, list[float]]:
+    """(credited tokens, rewards by sample) of an accepted group: the answer to a retried submission."""
+    g = conn.execute("SELECT tokens FROM groups WHERE group_id = ?", (group_id,)).fetchone()
+    rewards = [r["reward"] for r in conn.execute("SELECT reward FROM samples WHERE group_id = ? ORDER BY idx",
+                                                 (group_id,))]
+    return int(g["tokens"]), rewards
+
+
+# The trainer's side
+
+
+def queued_group_versions(conn: sqlite3.Connection) -> list[tuple[int, int]]:
+    """(group id, policy version) of every queued group (neither consumed nor dropped), oldest first."""
+    return [(int(r[0]), int(r[1])) for r in conn.execute(
+        "SELECT group_id, policy_version FROM groups WHERE consumed_step IS NULL AND dropped IS NULL ORDER BY group_id")]
+
+
+def groups_with_samples(conn: sqlite3.Connection, group_ids: list[int]) -> dict[int, tuple[dict, list[dict]]]:
+    """``{group id: (group row with its prompt's token ids, [sample rows in order])}``."""
+    if not group_ids:
+        return {}
+    marks = ",".join("?" * len(group_ids))
+    out: dict[int, tuple[dict, list[dict]]] = {}
+    for r in conn.execute(f"SELECT g.group_id, g.env, g.policy_version, g.temperature, g.tokens, p.prompt_ids "
+                          f"FROM groups g JOIN prompts p ON p.prompt_id = g.prompt_id WHERE g.group_id IN ({marks})",
+                          group_ids):
+        out[int(r["group_id"])] = (dict(r), [])
+    for r in conn.execute(f"SELECT group_id, token_ids, logprobs, trusted_logprobs, reward FROM samples "
+                          f"WHERE group_id IN ({marks}) ORDER BY group_id, idx", group_ids):
+        if int(r["group_id"]) in out:
+            out[int(r["group_id"])][1].append(dict(r))
+    return out
+
+
+def drop_groups(conn: sqlite3.Connection, group_ids: list[int], why: str) -> dict[int, int]:
+    """Mark queued groups dropped (``why``: e.g. 'stale'); returns ``{group id: samples}`` of those given."""
+    if not group_ids:
+        return {}
+    marks = ",".join("?" * len(group_ids))
+    sizes = {int(g): int(n) for g, n in conn.execute(
+        f"SELECT group_id, COUNT(*) FROM samples WHERE group_id IN ({marks}) GROUP BY group_id", group_ids)}
+    conn.execute(f"UPDATE groups SET dropped = ? WHERE group_id IN ({marks}) AND consumed_step IS NULL "
+                 "AND dropped IS NULL", [why, *group_ids])
+    return sizes
+
+
+def commit_step(conn: sqlite3.Connection, step: int, group_ids: list[int], history: list[dict],
+                new_version: int | None) -> None:
+    """A trainer step, all or nothing: its groups consumed, the step counter, the history and the policy
+    version. Raises when a group was consumed or dropped meanwhile (the transaction then rolls back)."""
+    if group_ids:
+        marks = ",".join("?" * len(group_ids))
+        n = conn.execute(f"UPDATE groups SET consumed_step = ? WHERE group_id IN ({marks}) "
+                         "AND consumed_step IS NULL AND dropped IS NULL", [step, *group_ids]).rowcount
+        if n != len(group_ids):
+            raise RuntimeError(f"step {step}: {len(group_ids) - n} of its groups were consumed or dropped meanwhile")
+    kv_set(conn, "trainer_step", step)
+    kv_set(conn, TRAINER_HISTORY_KEY, history)
+    if new_version is not None:
+        kv_set(conn, "policy_version", new_version)
+
+
+def unconsume_after(conn: sqlite3.Connection, step: int) -> list[int]:
+    """Groups consumed by steps after ``step`` (lost with the weights of a crash) are queued again."""
+    return [int(r[0]) for r in conn.execute(
+        "UPDATE groups SET consumed_step = NULL WHERE consumed_step > ? RETURNING group_id", (step,))]
+
+
+def consumed_groups(conn: sqlite3.Connection, up_to_step: int | None = None) -> int:
+    """Groups trained on (by steps ≤ ``up_to_step``, or by any step)."""
+    if up_to_step is None:
+        return int(conn.execute("SELECT COUNT(*) FROM groups WHERE consumed_step IS NOT NULL").fetchone()[0])
+    return int(conn.execute("SELECT COUNT(*) FROM groups WHERE consumed_step IS NOT NULL AND consumed_step <= ?",
+                            (up_to_step,)).fetchone()[0])
+
+
+TRAINER_HISTORY_KEY = "trainer_history"
+
+
+# The status API's reads
+
+
+def first_rejection_ms(conn: sqlite3.Connection, since_ms: int) -> int | None:
+    return conn.execute("SELECT MIN(time_ms) FROM rejections WHERE time_ms >= ?", (since_ms,)).fetchone()[0]
+
+
+def rejections_per_bucket(conn: sqlite3.Connection, start_ms: int, bucket_ms: int) -> list[tuple[int, str, int]]:
+    """(bucket index, reason, count) of logged rejections since ``start_ms``."""
+    return [(int(r["b"]), r["reason"], int(r["n"])) for r in conn.execute(
+        "SELECT (time_ms - ?) / ? AS b, reason, COUNT(*) AS n FROM rejections WHERE time_ms >= ? GROUP BY b, reason",
+        (start_ms, bucket_ms, start_ms))]
+
+
+def first_arrival_ms(conn: sqlite3.Connection, since_ms: int) -> int | None:
+    return conn.execute("SELECT MIN(arrival_ms) FROM groups WHERE arrival_ms >= ?", (since_ms,)).fetchone()[0]
+
+
+def arrivals_per_bucket(conn: sqlite3.Connection, start_ms: int, bucket_ms: int) -> list[tuple[int, int, int]]:
+    """(bucket index, accepted groups, their tokens) since ``start_ms``."""
+    return [(int(r["b"]), int(r["g"]), int(r["t"] or 0)) for r in conn.execute(
+        "SELECT (arrival_ms - ?) / ? AS b, COUNT(*) AS g, SUM(tokens) AS t FROM groups WHERE arrival_ms >= ? GROUP BY b",
+        (start_ms, bucket_ms, start_ms))]
+
+
+def queue_staleness(conn: sqlite3.Connection, version: int) -> dict[int, int]:
+    """``{staleness against version: queued groups}``."""
+    return {int(r["s"]): int(r["n"]) for r in conn.execute(
+        "SELECT ? - policy_version AS s, COUNT(*) AS n FROM groups WHERE consumed_step IS NULL AND dropped IS NULL "
+        "GROUP BY s ORDER BY s", (version,))}
+
+
+def read_transaction(conn: sqlite3.Connection):
+    """A context manager: one consistent snapshot for several reads on a reader connection."""
+    return _ReadTransaction(conn)
+
+
+class _ReadTransaction:
+    def __init__(self, conn: sqlite3.Connection):
+        self.conn = conn
+
+    def __enter__(self) -> sqlite3.Connection:
+        self.conn.execute("BEGIN")
+        return self.conn
+
+    def __exit__(self, *exc) -> None:
+        self.conn.execute("COMMIT")
 
 
 # --- bounds on what nodes say about themselves ---------------------------------------------------------

@@ -74,6 +74,7 @@ from veriroll.coordinator.advantages import group_advantages
 from veriroll.coordinator.checkpoint import latest_training_state, save_training_state
 from veriroll.coordinator.config import CoordinatorConfig, TrainerConfig
 from veriroll.coordinator.loss import async_ppo_loss
+from veriroll.coordinator.policy import PolicyState
 
 __all__ = [
     "GroupRecord",
@@ -100,7 +101,7 @@ __all__ = [
 log = logging.getLogger("veriroll.trainer")
 
 ADAM_BETAS = (0.9, 0.99)  # as in the measured tiny-GRPO recipe (benchmarks/warm_start.py)
-HISTORY_KEY = "trainer_history"
+HISTORY_KEY = st.TRAINER_HISTORY_KEY
 HISTORY_CAP = 2000  # steps kept in kv trainer_history (the dashboard reads it)
 POLL_S = 0.2  # how often a waiting trainer looks for fresh groups
 WAIT_LOG_EVERY_S = 30.0  # a trainer that keeps waiting says so again this often
@@ -165,37 +166,28 @@ def select_groups(conn: sqlite3.Connection, version: int, s_max: int, limit: int
     ``version`` (after a resume: the restored checkpoint's version, see :meth:`Trainer.resume`).
     """
     reference = reference or {}
-    rows = conn.execute("SELECT group_id, policy_version FROM groups WHERE consumed_step IS NULL AND dropped IS NULL "
-                        "ORDER BY group_id").fetchall()
     fresh, stale = [], []
-    for r in rows:
-        gid = int(r["group_id"])
-        s = max(0, reference[gid] - int(r["policy_version"])) if gid in reference else version - int(r["policy_version"])
+    for gid, made_with in st.queued_group_versions(conn):
+        s = max(0, reference[gid] - made_with) if gid in reference else version - made_with
         if s > s_max:
-            stale.append((int(r["group_id"]), s))
+            stale.append((gid, s))
         elif len(fresh) < limit:
-            fresh.append((int(r["group_id"]), s))
+            fresh.append((gid, s))
     return fresh, stale
 
 
 def load_groups(conn: sqlite3.Connection, group_ids: list[int]) -> list[GroupRecord]:
     """The groups ``group_ids`` with their prompts and samples, in the order given."""
-    if not group_ids:
-        return []
-    marks = ",".join("?" * len(group_ids))
     groups = {}
-    for r in conn.execute(f"SELECT g.group_id, g.env, g.policy_version, g.temperature, g.tokens, p.prompt_ids "
-                          f"FROM groups g JOIN prompts p ON p.prompt_id = g.prompt_id WHERE g.group_id IN ({marks})",
-                          group_ids):
-        groups[int(r["group_id"])] = GroupRecord(int(r["group_id"]), r["env"], int(r["policy_version"]),
-                                                 float(r["temperature"]), int(r["tokens"]),
-                                                 np.array(st.unpack_i32(r["prompt_ids"])))
-    for r in conn.execute(f"SELECT group_id, token_ids, logprobs, trusted_logprobs, reward FROM samples "
-                          f"WHERE group_id IN ({marks}) ORDER BY group_id, idx", group_ids):
-        trusted = st.unpack_f32(r["trusted_logprobs"])
-        groups[int(r["group_id"])].samples.append(SampleRecord(
-            np.array(st.unpack_i32(r["token_ids"])), np.array(st.unpack_f32(r["logprobs"])),
-            None if trusted is None else np.array(trusted), float(r["reward"])))
+    for gid, (g, samples) in st.groups_with_samples(conn, group_ids).items():
+        record = GroupRecord(gid, g["env"], int(g["policy_version"]), float(g["temperature"]), int(g["tokens"]),
+                             np.array(st.unpack_i32(g["prompt_ids"])))
+        for r in samples:
+            trusted = st.unpack_f32(r["trusted_logprobs"])
+            record.samples.append(SampleRecord(
+                np.array(st.unpack_i32(r["token_ids"])), np.array(st.unpack_f32(r["logprobs"])),
+                None if trusted is None else np.array(trusted), float(r["reward"])))
+        groups[gid] = record
     missing = [g for g in group_ids if g not in groups]
     if missing:
         raise LookupError(f"groups {missing} are not in the store (or their prompts are missing)")
@@ -618,7 +610,7 @@ class Trainer:
     """
 
     def __init__(self, cfg: CoordinatorConfig, db: st.Database, policy_store, *, metrics=None,
-                 clock=time.time) -> None:
+                 clock=time.time, policy: PolicyState | None = None) -> None:
         self.cfg = cfg
         self.tcfg: TrainerConfig = cfg.trainer
         self.s_max = cfg.intake.s_max
@@ -643,7 +635,10 @@ class Trainer:
         self.ref_model: torch.nn.Module | None = None
         self.optimizer: torch.optim.Optimizer | None = None
         self.step_no = 0
-        self.version = 0
+        # The current policy version: the trainer is its one owner (it advances it after a step's commit);
+        # the coordinator's lease desk and intake read the same object.
+        self.policy = policy if policy is not None else PolicyState()
+        self.broken = False
         self.resume_reference: dict[int, int] = {}  # group id → version its staleness counts from
         self.done = False
         self.history: list[dict] = []
@@ -652,6 +647,11 @@ class Trainer:
         self._last_step_end = clock()
         self._waiting_since: float | None = None
         self._last_wait_log = 0.0
+
+    @property
+    def version(self) -> int:
+        """The policy version the trainer's weights were last published as."""
+        return self.policy.version
 
     # -- start -------------------------------------------------------------------------------------
 
@@ -682,22 +682,21 @@ class Trainer:
             self.ref_model = self._load_model(base_version).requires_grad_(False)
 
         def op(conn):
-            rows = conn.execute("UPDATE groups SET consumed_step = NULL WHERE consumed_step > ? RETURNING group_id",
-                                (step,)).fetchall()
-            reset = len(rows)
+            reset = st.unconsume_after(conn, step)
             # Those groups were trained into weights that the crash lost. The restored weights are the
             # checkpoint's version: their staleness counts from it, not from the newest version number,
             # or the resume would drop as stale exactly the groups it promised to train again.
-            self.resume_reference = {int(r[0]): int(state.get("version", 0)) for r in rows}
+            reference = {gid: int(state.get("version", 0)) for gid in reset}
             st.kv_set(conn, "trainer_step", step)
             history = [h for h in st.kv_get(conn, HISTORY_KEY, []) if h.get("step", 0) <= step]
             st.kv_set(conn, HISTORY_KEY, history)
             version = int(st.kv_get(conn, "policy_version", 0))
             was_done = bool(st.kv_get(conn, "trainer_done", False))
-            trained = conn.execute("SELECT COUNT(*) FROM groups WHERE consumed_step IS NOT NULL").fetchone()[0]
-            return reset, history, version, was_done, trained
+            return len(reset), reference, history, version, was_done, st.consumed_groups(conn)
 
-        reset, self.history, self.version, was_done, trained = self.db.run_sync(op)
+        reset, reference, self.history, version, was_done, trained = self.db.run_sync(op)
+        self.resume_reference = reference
+        self.policy.advance(version)
         if trained != state.get("consumed_groups", trained):
             # The store and the checkpoint disagree on what the weights have seen (a store restored from
             # another backup than the checkpoints?): training goes on, but an operator should know.
@@ -745,18 +744,28 @@ class Trainer:
         staleness = [s for _, s in fresh]
         batch, signal = build_batch(groups, staleness, std_scale=t.std_scale,
                                     pad_id=int(getattr(self.policy_store.tokenizer, "pad_token_id", 0) or 0))
-        if batch is not None:
-            m = train_step(self.model, self.optimizer, batch, t, self.s_max, ref_model=self.ref_model)
-        else:
-            m = {}
-            log.info("step %d: no group in the batch has a learning signal; no update", self.step_no + 1)
-        self.step_no += 1
-        publish = self.step_no % t.publish_weights_every == 0
-        new_version = self._install_version() if publish else None
-        record = self._record(groups, staleness, signal, m, started, new_version)
-        self._commit([g.group_id for g in groups], record, new_version)
+        next_step = self.step_no + 1
+        try:
+            # From here the weights change: the step counts only once its commit (groups consumed, step,
+            # history, version) is durable. Until then nothing else moves; if anything fails, the weights
+            # go back to the last checkpoint and its groups are trained again, never twice.
+            if batch is not None:
+                m = train_step(self.model, self.optimizer, batch, t, self.s_max, ref_model=self.ref_model)
+            else:
+                m = {}
+                log.info("step %d: no group in the batch has a learning signal; no update", next_step)
+            # A version installed here but never committed is skipped, not reused (see _install_version).
+            new_version = self._install_version() if next_step % t.publish_weights_every == 0 else None
+            record = self._record(groups, staleness, signal, m, started, new_version, next_step)
+            history = [*self.history, record][-HISTORY_CAP:]
+            self.db.run_sync(lambda conn: st.commit_step(conn, next_step, [g.group_id for g in groups], history,
+                                                         new_version))
+        except BaseException:
+            self._recover(next_step)
+            raise
+        self.step_no, self.history = next_step, history
         if new_version is not None:
-            self.version = new_version
+            self.policy.advance(new_version)
             # Versions older than the staleness window are accepted nowhere any more; one extra is kept
             # for a verification that started just before this publish.
             self.policy_store.prune(new_version - self.s_max - 1, protect=(0,))
@@ -770,6 +779,19 @@ class Trainer:
         self._export(record)
         return StepOutcome("trained", self.step_no, new_version, record)
 
+    def _recover(self, failed_step: int) -> None:
+        """After a failed step: back to the newest checkpoint (weights, optimizer, step, history) and the
+        store's view of what is trained. If even that fails the trainer stops (``broken``) rather than
+        train on weights nobody can account for."""
+        log.error("trainer step %d failed; going back to the last checkpoint", failed_step)
+        try:
+            self.resume()
+        except BaseException:
+            self.broken = True
+            log.critical("trainer could not go back to its checkpoint; training stops (the coordinator keeps "
+                         "serving; restart it to resume from the checkpoint)")
+            raise
+
     def _note_waiting(self, fresh: int) -> None:
         now = self.clock()
         if self._waiting_since is None or now - self._last_wait_log >= WAIT_LOG_EVERY_S:
@@ -782,15 +804,7 @@ class Trainer:
     def _drop_stale(self, stale: list[tuple[int, int]]) -> None:
         ids = [g for g, _ in stale]
 
-        def op(conn):
-            marks = ",".join("?" * len(ids))
-            sizes = dict(conn.execute(f"SELECT group_id, COUNT(*) FROM samples WHERE group_id IN ({marks}) GROUP BY group_id",
-                                      ids).fetchall())
-            conn.execute(f"UPDATE groups SET dropped = 'stale' WHERE group_id IN ({marks}) "
-                         "AND consumed_step IS NULL AND dropped IS NULL", ids)
-            return sizes
-
-        sizes = self.db.run_sync(op)
+        sizes = self.db.run_sync(lambda conn: st.drop_groups(conn, ids, "stale"))
         for g, s in stale:
             self._stale_pending[s] += int(sizes.get(g, 0))
         self._stale_groups_pending += len(stale)
@@ -817,7 +831,7 @@ class Trainer:
                  time.perf_counter() - started)
         return version
 
-    def _record(self, groups, staleness, signal, m: dict, started: float, new_version: int | None) -> dict:
+    def _record(self, groups, staleness, signal, m: dict, started: float, new_version: int | None, step: int) -> dict:
         now = self.clock()
         rewards = [s.reward for g in groups for s in g.samples]
         by_env: dict[str, list[float]] = {}
@@ -830,12 +844,11 @@ class Trainer:
         considered = stale_samples + sum(len(g.samples) for g in groups)
         tokens = sum(g.tokens for g in groups)
         interval = max(now - self._last_step_end, 1e-9)
-        queue_depth = self.db.read(lambda c: c.execute(
-            "SELECT COUNT(*) FROM groups WHERE consumed_step IS NULL AND dropped IS NULL").fetchone()[0]).result()
+        queue_depth = self.db.read(st.queued_groups).result()
         # The batch's own groups are still unconsumed until the commit below.
         queue_depth = max(0, int(queue_depth) - len(groups))
         record = {
-            "step": self.step_no,
+            "step": step,
             "version": new_version if new_version is not None else self.version,
             "time": now,
             "reward": sum(rewards) / len(rewards) if rewards else None,
@@ -863,24 +876,6 @@ class Trainer:
         self._last_step_end = now
         # JSON has no inf or nan (a browser's JSON.parse rejects them): a non-finite number is recorded as null.
         return {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in record.items()}
-
-    def _commit(self, group_ids: list[int], record: dict, new_version: int | None) -> None:
-        self.history.append(record)
-        del self.history[:-HISTORY_CAP]
-        history, step = self.history, self.step_no
-
-        def op(conn):
-            marks = ",".join("?" * len(group_ids))
-            n = conn.execute(f"UPDATE groups SET consumed_step = ? WHERE group_id IN ({marks}) "
-                             "AND consumed_step IS NULL AND dropped IS NULL", [step, *group_ids]).rowcount
-            if n != len(group_ids):
-                raise RuntimeError(f"step {step}: {len(group_ids) - n} of its groups were consumed or dropped meanwhile")
-            st.kv_set(conn, "trainer_step", step)
-            st.kv_set(conn, HISTORY_KEY, history)
-            if new_version is not None:
-                st.kv_set(conn, "policy_version", new_version)
-
-        self.db.run_sync(op)
 
     def _export(self, r: dict) -> None:
         env_part = " ".join(f"{k} {v:.3f}" for k, v in r["reward_by_env"].items())
@@ -921,9 +916,7 @@ class Trainer:
             "time": self.clock(),
             # What the weights have been trained on is the groups with consumed_step <= step; their
             # number is kept as a cross-check against the store on resume.
-            "consumed_groups": self.db.read(lambda c: c.execute(
-                "SELECT COUNT(*) FROM groups WHERE consumed_step IS NOT NULL AND consumed_step <= ?",
-                (self.step_no,)).fetchone()[0]).result(),
+            "consumed_groups": self.db.read(lambda c: st.consumed_groups(c, self.step_no)).result(),
         }
         return save_training_state(self.state_dir, self.step_no, state, keep=self.tcfg.keep_checkpoints)
 
@@ -951,11 +944,11 @@ async def start_trainer(coord) -> Trainer:
     (``coord.service.policy.version``) and, where the coordinator has a publisher, it is handed to
     shardcast (``coord.publish_version``).
     """
-    trainer = Trainer(coord.cfg, coord.db, coord.policy_store, metrics=coord.service.metrics)
+    trainer = Trainer(coord.cfg, coord.db, coord.policy_store, metrics=coord.service.metrics,
+                      policy=coord.service.policy)
     pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="veriroll-trainer")
     loop = asyncio.get_running_loop()
     await loop.run_in_executor(pool, trainer.resume)
-    coord.service.policy.version = trainer.version
     coord.trainer = trainer
     coord.tasks.append(asyncio.create_task(_train_forever(coord, trainer, pool), name="veriroll-trainer"))
 
@@ -974,8 +967,11 @@ async def _train_forever(coord, trainer: Trainer, pool: ThreadPoolExecutor) -> N
             outcome = await loop.run_in_executor(pool, trainer.step)
         except asyncio.CancelledError:
             raise
-        except Exception:  # noqa: BLE001 - the coordinator keeps serving; the step is retried
-            log.exception("trainer step failed; retrying in 5 s")
+        except Exception:  # noqa: BLE001 - the coordinator keeps serving; the step was rolled back, or training stops
+            if trainer.broken:
+                log.exception("trainer stopped")
+                return
+            log.exception("trainer step failed and was rolled back to the last checkpoint; retrying in 5 s")
             await asyncio.sleep(5.0)
             continue
         if outcome.published is not None:
@@ -985,7 +981,8 @@ async def _train_forever(coord, trainer: Trainer, pool: ThreadPoolExecutor) -> N
 
 
 async def _announce(coord, version: int) -> None:
-    coord.service.policy.version = version
+    """Tell the world about a version the trainer made current (``coord.service.policy``, advanced by the
+    trainer once the step's commit was durable)."""
     coord.service.metrics.policy_version.set(version)
     if hasattr(coord, "publish_version"):
         try:

@@ -192,7 +192,7 @@ def test_float32_is_tighter_than_the_configured_logprob_tolerance_and_half_preci
 
 
 def test_over_grpc_honest_group_is_stored_with_trusted_logprobs_and_a_forged_one_refused(tmp_path):
-    base = make_coordinator_dir(tmp_path, {"intake.verify": True})
+    base = make_coordinator_dir(tmp_path, {"intake.verify": True, "leases.probation_max_open": 2})
 
     async def scenario():
         async with running_coordinator(base) as coord, node_client(coord) as stub:

@@ -19,7 +19,8 @@ from veriroll.node.weights import LocalVersions
 from veriroll.protos.identity import PrivateKey
 from veriroll.protos.v1 import coordinator_pb2 as pb
 
-VERIFY = {"intake.verify": True, "leases.max_open_per_node": 8}
+# The attacks take a lease after one they left open: room for that, on probation too.
+VERIFY = {"intake.verify": True, "leases.max_open_per_node": 8, "leases.probation_max_open": 8}
 
 
 def verifier_present() -> bool:

@@ -1,0 +1,72 @@
+"""The door every request passes before it touches state: size, deadline, envelope, signature, replay
+window, identity, ban and rate checks, in order of cost.
+
+Nothing here knows about gRPC: :meth:`Door.admit` returns the caller or raises :class:`Refusal`, and
+the service counts the refusal once (see ``ledger.py``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from veriroll.coordinator.admission import NonceStore, RateLimiter
+from veriroll.coordinator.config import CoordinatorConfig
+from veriroll.coordinator.ledger import Ledger, NodeInfo
+from veriroll.coordinator.store import Standing
+from veriroll.protos.envelope import SignedHeaders, verify_signature
+from veriroll.protos.identity import public_key_problem
+from veriroll.protos.reasons import Reason
+
+
+class Refusal(Exception):
+    """A request refused for ``reason``; ``detail`` is shown to the node. ``counted`` is set once the
+    refusal is recorded, so that it is never recorded twice on its way out."""
+
+    def __init__(self, reason: Reason, detail: str = "", *, counted: bool = False):
+        super().__init__(f"{reason.value}: {detail or reason.message}")
+        self.reason = reason
+        self.detail = detail or reason.message
+        self.counted = counted
+
+
+class Door:
+    def __init__(self, cfg: CoordinatorConfig, ledger: Ledger, clock: Callable[[], int]):
+        s = cfg.server
+        self.cfg = cfg
+        self.ledger = ledger
+        self.clock = clock
+        self.nonces = NonceStore(int(s.timestamp_window_s * 1000), not_before_ms=clock() - 1000)
+        self.key_limits = RateLimiter(s.key_rate_per_s, s.key_burst)
+        self.peer_limits = RateLimiter(s.peer_rate_per_s, s.peer_burst)
+
+    async def admit(self, method: str, name: str, body: bytes, headers: SignedHeaders, peer: str) -> NodeInfo | None:
+        """Signature, replay window, identity, ban and rate checks. Returns the caller (None for a Register
+        from a key not yet registered)."""
+        if not self.peer_limits.allow(peer):
+            raise Refusal(Reason.RATE_LIMITED, "too many requests from this address")
+        # parse_headers already refused these; checked again (a cached lookup) so that no signature is
+        # ever taken from a small-order or non-canonical key, however the headers were built.
+        problem = public_key_problem(headers.public_key.raw)
+        if problem is not None:
+            raise Refusal(Reason.BAD_KEY, problem)
+        now = self.clock()
+        skew = self.nonces.check_time(headers.ts_ms, now)
+        if skew is Reason.CLOCK_SKEW:
+            raise Refusal(Reason.CLOCK_SKEW, f"request time is {(headers.ts_ms - now) / 1000:+.1f}s from the coordinator's "
+                                             f"(window ±{self.cfg.server.timestamp_window_s:g}s); fix the node's clock")
+        if not verify_signature(headers, method, body):
+            raise Refusal(Reason.BAD_SIGNATURE)
+        if skew is not None:
+            raise Refusal(skew, "request was signed before the coordinator restarted; sign it again")
+        if not self.nonces.use(headers.public_key.raw, headers.nonce, headers.ts_ms, now):
+            raise Refusal(Reason.REPLAYED_NONCE)
+        node = await self.ledger.lookup(headers.public_key.node_id)
+        if node is not None and node.public_key != headers.public_key.raw:
+            raise Refusal(Reason.UNKNOWN_KEY, "node id and key disagree")
+        if node is None and name != "Register":
+            raise Refusal(Reason.UNKNOWN_KEY)
+        if node is not None and node.standing == Standing.BANNED:
+            raise Refusal(Reason.BANNED)
+        if not self.key_limits.allow(headers.public_key.raw):
+            raise Refusal(Reason.RATE_LIMITED, "too many requests for this key")
+        return node

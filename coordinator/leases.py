@@ -1,0 +1,151 @@
+"""The lease desk: hands out prompts to generate, with the seeds and limits the intake later holds the
+group to, and returns the prompts of expired or spent leases to the pool.
+
+Probation nodes (new keys; a strike sends a trusted node back) are held short, since a key costs an
+attacker little: at most ``leases.probation_max_open`` open leases each, a lease budget per node
+(``probation_leases_per_hour`` with a burst of ``probation_lease_burst``), and all of them together
+hold at most ``probation_share`` of the open leases (but always ``probation_floor``, so that a new
+network, where every node is on probation, can start).
+"""
+
+from __future__ import annotations
+
+import random
+import secrets
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+
+from veriroll.coordinator import store as st
+from veriroll.coordinator.config import CoordinatorConfig
+from veriroll.coordinator.intake import MESSAGES_META_KEY
+from veriroll.coordinator.ledger import NodeInfo
+from veriroll.coordinator.metrics import CoordinatorMetrics
+from veriroll.coordinator.policy import PolicyState
+from veriroll.coordinator.prompts import PromptRenderer
+from veriroll.protos.v1 import coordinator_pb2 as pb
+
+BUDGETS_KEPT = 100_000
+
+
+def random_seeds(n: int) -> list[int]:
+    """``n`` independent uniform 64-bit sampling seeds from the OS CSPRNG (one read for all)."""
+    raw = secrets.token_bytes(8 * n)
+    return [int.from_bytes(raw[i:i + 8], "little") for i in range(0, 8 * n, 8)]
+
+
+class LeaseBudget:
+    """Leases a probation node may still be issued: ``burst`` at first, refilled at ``per_hour``; only
+    leases actually issued are taken, so waiting out backpressure costs a node nothing."""
+
+    def __init__(self, per_hour: float, burst: float, now: float | None = None):
+        self.rate = per_hour / 3600.0
+        self.burst = float(burst)
+        self.tokens = float(burst)
+        self.updated = time.monotonic() if now is None else now
+
+    def available(self, now: float | None = None) -> float:
+        now = time.monotonic() if now is None else now
+        self.tokens = min(self.burst, self.tokens + (now - self.updated) * self.rate)
+        self.updated = now
+        return self.tokens
+
+    def take(self, n: int) -> None:
+        self.tokens -= n
+
+    def ms_until_one(self) -> int:
+        missing = max(0.0, 1.0 - self.tokens)
+        return 1000 if self.rate <= 0 else max(1000, int(missing / self.rate * 1000))
+
+
+class LeaseDesk:
+    def __init__(self, cfg: CoordinatorConfig, db: st.Database, *, environment, renderer: PromptRenderer,
+                 policy: PolicyState, metrics: CoordinatorMetrics, clock: Callable[[], int], stop_token_ids: list[int]):
+        self.cfg = cfg
+        self.db = db
+        self.env = environment
+        self.renderer = renderer
+        self.policy = policy
+        self.metrics = metrics
+        self.clock = clock
+        self.stop_token_ids = list(stop_token_ids)
+        self._budgets: OrderedDict[str, LeaseBudget] = OrderedDict()
+        drawn = db.run_sync(st.prompts_drawn)
+        # The prompt stream resumes where it stopped: its state is the seed and the number of draws.
+        self._rng = random.Random(f"{cfg.environment.seed}:{drawn}")
+
+    def _draw_prompt(self, conn) -> tuple[int, list[int], str]:
+        """Draw the next prompt of the stream and store it as leased: its id, token ids and environment."""
+        prompt = self.env.sample_prompts(self._rng, 1)[0]
+        ids = self.renderer.render(prompt)
+        # The conversation as the model saw it rides in meta, so the reward sees the whole prompt.
+        meta = {**(prompt.meta or {}), MESSAGES_META_KEY: self.renderer.messages(prompt)}
+        return st.insert_leased_prompt(conn, prompt.env, prompt.text, prompt.answer, meta, ids), ids, prompt.env
+
+    def _budget(self, node_id: str) -> LeaseBudget:
+        lc = self.cfg.leases
+        bucket = self._budgets.get(node_id)
+        if bucket is None:
+            bucket = self._budgets[node_id] = LeaseBudget(lc.probation_leases_per_hour, lc.probation_lease_burst)
+            while len(self._budgets) > BUDGETS_KEPT:
+                self._budgets.popitem(last=False)
+        self._budgets.move_to_end(node_id)
+        return bucket
+
+    async def lease_work(self, node: NodeInfo, req: pb.LeaseRequest) -> pb.LeaseResponse:
+        lc = self.cfg.leases
+        now = self.clock()
+        version = self.policy.version
+        # Generate with the newest version the node holds, as long as it is inside the window; else
+        # name the current one, which the node must fetch first.
+        held = [v for v in list(req.available_versions) + [req.loaded_version]
+                if v >= 0 and version - self.cfg.intake.s_max < v <= version]
+        lease_version = max(held) if held else version
+        probation = node.standing == st.Standing.PROBATION
+        max_open = lc.probation_max_open if probation else lc.max_open_per_node
+        wanted = max(1, min(int(req.max_leases or 1), max_open))
+        budget = self._budget(node.node_id) if probation else None
+        if budget is not None:
+            wanted = min(wanted, int(budget.available()))
+            if wanted <= 0:
+                return pb.LeaseResponse(retry_after_ms=budget.ms_until_one(), wait_reason="probation_budget")
+        deadline = now + int(lc.ttl_s * 1000)
+        # Everything that needs no state is drawn here, so the serialized writer only reads and writes.
+        fresh = [(secrets.token_hex(12), random_seeds(lc.group_size)) for _ in range(wanted)]
+
+        def op(conn):
+            expired = st.expire_leases(conn, now)
+            if st.queued_groups(conn) >= lc.queue_maxsize:
+                return [], expired, "backpressure"
+            k = min(wanted, max_open - st.open_leases_of(conn, node.node_id))
+            if k <= 0:
+                return [], expired, "too_many_open_leases"
+            if probation:
+                total, held = st.open_lease_totals(conn)
+                while k > 0 and held + k > max(lc.probation_floor, lc.probation_share * (total + k)):
+                    k -= 1
+                if k <= 0:
+                    return [], expired, "probation_share"
+            issued = []
+            for lease_id, seeds in fresh[:k]:
+                # A prompt back in the pool (its lease expired or was spent) goes first, else a new one.
+                prompt_id, ids, env = st.take_pending_prompt(conn) or self._draw_prompt(conn)
+                st.insert_lease(conn, st.NewLease(
+                    lease_id=lease_id, node_id=node.node_id, prompt_id=prompt_id, group_size=lc.group_size,
+                    temperature=lc.temperature, max_new_tokens=lc.max_new_tokens, seeds=seeds,
+                    stop_token_ids=self.stop_token_ids, policy_version=lease_version, issued_ms=now,
+                    deadline_ms=deadline, probation=probation))
+                issued.append((lease_id, ids, env, seeds))
+            return issued, expired, ""
+
+        issued, expired, wait = await self.db.run(op)
+        if budget is not None:
+            budget.take(len(issued))
+        leases = [pb.Lease(lease_id=lease_id, prompt_ids=ids, group_size=lc.group_size, temperature=lc.temperature,
+                           max_new_tokens=lc.max_new_tokens, seeds=seeds, policy_version=lease_version,
+                           deadline_ms=deadline, stop_token_ids=self.stop_token_ids, environment=env)
+                  for lease_id, ids, env, seeds in issued]
+        if expired:
+            self.metrics.leases_expired.inc(expired)
+        self.metrics.leases_issued.inc(len(leases))
+        return pb.LeaseResponse(leases=leases, retry_after_ms=0 if leases else 1000, wait_reason=wait)

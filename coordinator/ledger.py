@@ -1,0 +1,126 @@
+"""The ledger: who the nodes are, their standing, what was refused and what they are credited.
+
+It owns the ``nodes`` rows and the refusal counts. Every refusal of every request is counted here,
+exactly once: in ``veriroll_rejections_total`` and in the store (per node and reason, the event itself
+for authenticated nodes), with a strike for hard failures, and a ban at ``intake.max_strikes``.
+
+Nodes are looked up one by one by id (the table's primary key) and kept in a bounded cache for a
+couple of seconds, so a request costs the same at 10 or 10,000 registered nodes, and a ban or unban
+made from another process (the operator's CLI writes the database) takes effect within that time.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from veriroll.coordinator import store as st
+from veriroll.coordinator.metrics import CoordinatorMetrics
+from veriroll.protos.reasons import Reason
+from veriroll.protos.v1 import coordinator_pb2 as pb
+
+log = logging.getLogger("veriroll.coordinator")
+
+CACHE_TTL_MS = 2000
+"""How long a looked-up node is trusted before it is read again (an operator's ban shows within this)."""
+CACHE_SIZE = 100_000
+
+
+@dataclass(frozen=True)
+class NodeInfo:
+    node_id: str
+    public_key: bytes
+    standing: st.Standing
+
+
+class Ledger:
+    def __init__(self, db: st.Database, metrics: CoordinatorMetrics, clock: Callable[[], int], *, max_strikes: int,
+                 probation_groups: int):
+        self.db = db
+        self.metrics = metrics
+        self.clock = clock
+        self.max_strikes = max_strikes
+        self.probation_groups = probation_groups
+        self._cache: OrderedDict[str, tuple[NodeInfo | None, int]] = OrderedDict()
+
+    # --- who is asking ------------------------------------------------------------------------------
+
+    async def lookup(self, node_id: str) -> NodeInfo | None:
+        """The registered node ``node_id``, or None: one primary-key read at most every CACHE_TTL_MS."""
+        now = self.clock()
+        hit = self._cache.get(node_id)
+        if hit is not None and hit[0] is not None and now - hit[1] < CACHE_TTL_MS:
+            self._cache.move_to_end(node_id)
+            return hit[0]
+        row = await self.db.run_read(lambda c: st.node_by_id(c, node_id))
+        node = None if row is None else NodeInfo(row.node_id, row.public_key, row.standing)
+        if node is not None:  # unknown keys are not cached: a flood of them must not evict real nodes
+            self._remember(node)
+        return node
+
+    def _remember(self, node: NodeInfo) -> None:
+        self._cache[node.node_id] = (node, self.clock())
+        self._cache.move_to_end(node.node_id)
+        while len(self._cache) > CACHE_SIZE:
+            self._cache.popitem(last=False)
+
+    def forget(self, node_id: str) -> None:
+        """Drop a cached node (its standing changed): the next lookup reads it again."""
+        self._cache.pop(node_id, None)
+
+    # --- registration and liveness ------------------------------------------------------------------
+
+    async def register(self, node_id: str, public_key: bytes, hardware: dict, software_version: str,
+                       display_name: str) -> NodeInfo:
+        """Insert or refresh a node (fields already bounded); its standing is kept across registrations."""
+        now = self.clock()
+        row = await self.db.run(lambda c: st.register_node(c, node_id, public_key, now, hardware, software_version,
+                                                           display_name))
+        node = NodeInfo(row.node_id, row.public_key, row.standing)
+        self._remember(node)
+        return node
+
+    async def touch(self, node: NodeInfo, loaded_version: int) -> int:
+        now = self.clock()
+        await self.db.run(lambda c: st.touch_node(c, node.node_id, now, loaded_version))
+        return now
+
+    async def ledger(self, node: NodeInfo) -> pb.LedgerResponse:
+        row = await self.db.run_read(lambda c: st.node_ledger(c, node.node_id))
+        return pb.LedgerResponse(
+            node_id=node.node_id, standing=row["standing"], accepted_groups=row["accepted_groups"],
+            accepted_tokens=row["accepted_tokens"], strikes=row["strikes"],
+            rejections_by_reason=row["rejections_by_reason"], credits=float(row["accepted_tokens"]),
+        )
+
+    # --- refusals -------------------------------------------------------------------------------------
+
+    def refusal_op(self, node_id: str, reason: Reason, detail: str = "", lease_id: str = "",
+                   also: Callable | None = None) -> Callable:
+        """The store op that records one refusal (and strike, and ban); ``also`` runs in the same transaction."""
+        now = self.clock()
+        limit = self.max_strikes
+
+        def op(conn):
+            if also is not None:
+                also(conn)
+            return st.record_refusal(conn, node_id, reason.value, strike=reason.strike, strike_limit=limit,
+                                     lease_id=lease_id, detail=detail, now_ms=now)
+
+        return op
+
+    async def refuse(self, node_id: str, reason: Reason, detail: str = "", lease_id: str = "",
+                     also: Callable | None = None) -> None:
+        """Record one refusal, durably, then count it in the metrics."""
+        banned_at = await self.db.run(self.refusal_op(node_id, reason, detail, lease_id, also))
+        self.counted(node_id, reason, banned_at)
+
+    def counted(self, node_id: str, reason: Reason, banned_at: int | None = None) -> None:
+        """The metric side of a refusal whose store op has committed."""
+        self.metrics.rejections.inc(reason=reason.value)
+        if node_id and reason.strike:
+            self.forget(node_id)
+        if banned_at is not None:
+            log.warning("banned node %s after %d strikes (last: %s)", node_id, banned_at, reason.value)
