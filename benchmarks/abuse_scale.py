@@ -54,10 +54,9 @@ async def _fill(coord, n: int) -> None:
 
 
 async def _time(coord, name: str, key, body: bytes, peer: str) -> float:
+    from veriroll.coordinator.edge import Refusal
     from veriroll.protos.envelope import sign_request
     from veriroll.protos.service import full_method
-
-    from veriroll.coordinator.edge import Refusal
 
     metadata = sign_request(key, full_method(name), body)
     start = time.perf_counter()

@@ -845,6 +845,21 @@ def queue_staleness(conn: sqlite3.Connection, version: int) -> dict[int, int]:
         "GROUP BY s ORDER BY s", (version,))}
 
 
+def observer_snapshot(conn: sqlite3.Connection) -> dict:
+    """What a watcher of a run reads (the testnet's progress): kv, nodes with their standing and credit,
+    refusals by node and reason, group counts and the mean reward of the 32 newest groups."""
+    kv = {r["key"]: json.loads(r["value"]) for r in conn.execute("SELECT key, value FROM kv")}
+    nodes = {r["node_id"]: dict(r) for r in conn.execute(
+        "SELECT node_id, display_name, standing, strikes, accepted_groups, accepted_tokens FROM nodes")}
+    recent = [r[0] for r in conn.execute("SELECT mean_reward FROM groups ORDER BY group_id DESC LIMIT 32")]
+    return {
+        "kv": kv, "nodes": nodes, "rejections": rejections_by_node(conn),
+        "accepted_groups": int(conn.execute("SELECT COUNT(*) FROM groups").fetchone()[0]),
+        "dropped_groups": int(conn.execute("SELECT COUNT(*) FROM groups WHERE dropped IS NOT NULL").fetchone()[0]),
+        "recent_reward": sum(recent) / len(recent) if recent else 0.0,
+    }
+
+
 def read_transaction(conn: sqlite3.Connection):
     """A context manager: one consistent snapshot for several reads on a reader connection."""
     return _ReadTransaction(conn)

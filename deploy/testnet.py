@@ -20,6 +20,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from veriroll.coordinator import store as st
 from veriroll.deploy.topology import TestnetConfig, load_topology
 
 # Refusals an honest node can meet without doing anything wrong (a slow node, a restart, a full queue).
@@ -149,22 +150,12 @@ class Testnet:
         conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=5)
         conn.row_factory = sqlite3.Row
         try:
-            kv = {r["key"]: json.loads(r["value"]) for r in conn.execute("SELECT key, value FROM kv")}
-            nodes = {r["node_id"]: dict(r) for r in conn.execute(
-                "SELECT node_id, display_name, standing, strikes, accepted_groups, accepted_tokens FROM nodes")}
-            rej: dict[str, dict[str, int]] = {}
-            for r in conn.execute("SELECT node_id, reason, count FROM rejection_counts"):
-                rej.setdefault(r["node_id"], {})[r["reason"]] = r["count"]
-            recent = [r[0] for r in conn.execute("SELECT mean_reward FROM groups ORDER BY group_id DESC LIMIT 32")]
-            accepted = conn.execute("SELECT COUNT(*) FROM groups").fetchone()[0]
-            stale = conn.execute("SELECT COUNT(*) FROM groups WHERE dropped IS NOT NULL").fetchone()[0]
+            snap = st.observer_snapshot(conn)
         except sqlite3.Error:
             return {}
         finally:
             conn.close()
-        history = kv.get("trainer_history") or []
-        return {"kv": kv, "nodes": nodes, "rejections": rej, "accepted_groups": accepted, "dropped_groups": stale,
-                "recent_reward": sum(recent) / len(recent) if recent else 0.0, "history": history}
+        return {**snap, "history": snap["kv"].get("trainer_history") or []}
 
     def summary(self, snap: dict, wall_s: float) -> dict:
         by_node_name = {p.node_id: p for p in self.procs if p.node_id}
