@@ -110,7 +110,9 @@ MAX_HEADER_FIELD = 4096
 MAX_HEADERS = 32
 IMMUTABLE = "public, max-age=31536000, immutable"
 _REFRESH_EVERY = 0.5
-_SHUTDOWN_GRACE = 2.0  # seconds in-flight answers get on stop; a cut transfer is resumed by its client
+# Seconds an in-flight answer gets on stop, twice over (aiohttp waits for it, then for its cancellation);
+# a transfer cut short is resumed by its client.
+_SHUTDOWN_GRACE = 1.0
 _FD_RESERVE = 128  # descriptors kept for the store, the mirror's fetch and logging
 
 
@@ -397,7 +399,7 @@ class RelayServer:
         except web.HTTPException as exc:
             response = web.Response(status=exc.status, reason=exc.reason, text=exc.text, headers=exc.headers)
             if exc.headers.get("X-Shardcast-Refusal") == Refusal.BODY:
-                response.force_close()  # never read the body it sent
+                response.force_close()
         if not response.prepared:
             body = response.body if isinstance(response, web.Response) else None
             await self._send(request, response, len(body) if isinstance(body, bytes) else 0)
@@ -574,6 +576,7 @@ class RelayServer:
             max_line_size=MAX_REQUEST_LINE,
             max_field_size=MAX_HEADER_FIELD,
             max_headers=MAX_HEADERS,
+            lingering_time=0,  # never read a body a client sends anyway: close on it
         )
         await self._runner.setup()
         self._listeners = _listening_sockets(self.host, self.port, backlog=1024)
@@ -591,7 +594,7 @@ class RelayServer:
             self._mirror_task = asyncio.create_task(self._mirror_loop())
 
     async def stop(self) -> None:
-        """Stop accepting, stop mirroring, and close every connection (within ``_SHUTDOWN_GRACE``)."""
+        """Stop accepting, stop mirroring, and close every connection (within 2 × ``_SHUTDOWN_GRACE``)."""
         tasks = [*self._accept_tasks, *([self._mirror_task] if self._mirror_task is not None else [])]
         for task in tasks:
             task.cancel()
