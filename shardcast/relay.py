@@ -243,10 +243,9 @@ class RelayServer:
         self._runner: web.AppRunner | None = None
         self._listeners: list[socket.socket] = []
         self._accept_tasks: list[asyncio.Task] = []
-        # Open connections, by source and in all. A closed one is dropped when its source connects
-        # again or when the total reaches its limit, so the books cost nothing per closed connection.
-        self._connections: dict[str, list[asyncio.BaseTransport]] = {}
-        self._open_connections = 0
+        # Connections by source (aiohttp's server counts them in all). A closed one stays on the books
+        # until its source connects again or a sweep (see _book): no callback per closed connection.
+        self._by_address: dict[str, list[asyncio.BaseTransport]] = {}
         self._transfers_by_address: Counter[str] = Counter()
         self._mirror_task: asyncio.Task | None = None
         self._mirror_backoff: dict[int, tuple[int, float]] = {}  # version -> (failures, retry after)
@@ -327,27 +326,31 @@ class RelayServer:
 
     def _admit(self, source: str) -> Refusal | None:
         """Whether a new connection from ``source`` fits the limits (None) or why not."""
-        if self._open_connections >= self.max_connections:
-            self._forget_closed_connections()
-            if self._open_connections >= self.max_connections:
-                return Refusal.CONNECTIONS
-        if self.max_connections_per_address is not None and source in self._connections:
-            mine = self._connections[source]
-            live = [t for t in mine if not t.is_closing()]
-            self._open_connections -= len(mine) - len(live)
-            self._connections[source] = live
-            if len(live) >= self.max_connections_per_address:
+        assert self._runner is not None and self._runner.server is not None
+        if len(self._runner.server.connections) >= self.max_connections:
+            return Refusal.CONNECTIONS
+        limit = self.max_connections_per_address
+        if limit is not None:
+            live = [t for t in self._by_address.get(source, ()) if not t.is_closing()]
+            self._by_address[source] = live
+            if len(live) >= limit:
                 return Refusal.ADDRESS_CONNECTIONS
         return None
 
-    def _forget_closed_connections(self) -> None:
-        for source, transports in list(self._connections.items()):
-            live = [t for t in transports if not t.is_closing()]
-            self._open_connections -= len(transports) - len(live)
-            if live:
-                self._connections[source] = live
-            else:
-                del self._connections[source]
+    def _book(self, source: str, transport: asyncio.BaseTransport) -> None:
+        """Note an accepted connection under its source, for the per-address limit."""
+        if self.max_connections_per_address is None:
+            return
+        self._by_address.setdefault(source, []).append(transport)
+        # Sources whose connections all closed are dropped in a sweep when their number reaches twice
+        # the most that can be live; a sweep leaves at most half, so its cost is spread over as many
+        # new sources as it went through.
+        if len(self._by_address) >= 2 * self.max_connections:
+            self._by_address = {
+                src: live
+                for src, transports in self._by_address.items()
+                if (live := [t for t in transports if not t.is_closing()])
+            }
 
     async def _accept_forever(self, listener: socket.socket) -> None:
         """Accept connections on ``listener``; one over a limit is closed before anything is read."""
@@ -373,8 +376,7 @@ class RelayServer:
             except OSError:
                 sock.close()
                 continue
-            self._connections.setdefault(source, []).append(transport)
-            self._open_connections += 1
+            self._book(source, transport)
 
     # ---- handlers
 
@@ -637,7 +639,7 @@ class RelayServer:
         return {v for vs in results for v in vs}
 
     async def mirror_once(self) -> list[int]:
-        """One mirroring round: fetch the newest ``keep`` upstream versions not held yet; returns those fetched."""
+        """One mirroring round: fetch the newest ``keep`` upstream versions not held yet; returns them."""
         async with aiohttp.ClientSession(trust_env=False) as session:
             claimed = await self._upstream_versions(session)
         now = time.monotonic()

@@ -403,3 +403,20 @@ def test_a_relay_process_stops_on_a_signal_in_every_state_and_exits_0(
 
 def run(coro):
     return asyncio.run(coro)
+
+
+def test_the_books_of_closed_connections_stay_bounded_as_sources_come_and_go(store, coord_key):
+    async def go():
+        async with RelayServer(store, coord_key.public, port=0, max_connections=4) as relay:
+            sizes = []
+            for i in range(40):
+                reader, writer = await asyncio.open_connection(
+                    "127.0.0.1", relay.port, local_addr=(f"127.0.2.{i + 1}", 0)
+                )
+                writer.write(b"GET /versions HTTP/1.1\r\nHost: relay\r\nConnection: close\r\n\r\n")
+                assert (await reader.read()).startswith(b"HTTP/1.1 200")
+                writer.close()
+                sizes.append(len(relay._by_address))
+            return sizes
+
+    assert max(run(go())) < 2 * 4
