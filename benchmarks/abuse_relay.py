@@ -8,7 +8,8 @@ different hosts.
 - :func:`slot_flood`: N connections from 127.0.0.1 each ask for the 2 MiB file with a 4 KiB receive
   window and never read a byte; once the relay has dealt with all of them, an honest client at
   127.0.0.2 fetches the version (signature and every shard checked). ``flood_refused`` is what the
-  relay refused (connections closed at accept plus downloads answered 429/503, from its /status).
+  relay refused (connections closed at accept plus downloads answered 429/503, from its /status);
+  the relay's memory growth is measured too.
 - :func:`idle_and_slowloris`: K connections spread over 127.0.1.x that never send a byte, and one at
   127.0.0.3 that sends its request head a byte every 0.2 s; the seconds until the relay closed the
   last idle one, and until it cut the slow one.
@@ -36,6 +37,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import aiohttp
+import psutil
 
 from veriroll.protos.identity import write_keypair
 from veriroll.shardcast.errors import ShardcastError
@@ -79,8 +81,9 @@ async def _load(url: str) -> dict:
 
 
 @contextlib.asynccontextmanager
-async def _relay_process(store: Path, key_pub: Path) -> AsyncIterator[str]:
-    """A relay process with its default limits; yields its URL once it answers; SIGTERM at the end."""
+async def _relay_process(store: Path, key_pub: Path) -> AsyncIterator[tuple[str, psutil.Process]]:
+    """A relay process with its default limits; yields its URL and process once it answers; SIGTERM at
+    the end."""
     port = _free_port()
     cmd = [sys.executable, "-m", "veriroll.shardcast.cli", "relay", "run", "--store", str(store),
            "--port", str(port), "--coordinator-key", str(key_pub)]  # fmt: skip
@@ -96,7 +99,7 @@ async def _relay_process(store: Path, key_pub: Path) -> AsyncIterator[str]:
                 if proc.poll() is not None or time.monotonic() > deadline:
                     raise RuntimeError(f"the relay never came up (exit status {proc.poll()})") from None
                 await asyncio.sleep(0.05)
-        yield url
+        yield url, psutil.Process(proc.pid)
     finally:
         proc.send_signal(signal.SIGTERM)
         try:
@@ -124,9 +127,10 @@ def _refused(load: dict) -> int:
 
 
 async def _slot_flood(store: Path, key_pub: Path, flood: int, out: Path) -> dict:
-    async with _relay_process(store, key_pub) as url:
+    async with _relay_process(store, key_pub) as (url, relay):
         port = int(url.rsplit(":", 1)[1])
         before = await _load(url)
+        rss_before = relay.memory_info().rss
         socks = [await _stalled_download(port) for _ in range(flood)]
         try:
             # Settled once every flood connection was refused at accept or had its request read.
@@ -150,6 +154,7 @@ async def _slot_flood(store: Path, key_pub: Path, flood: int, out: Path) -> dict
                 print(f"  honest fetch failed: {type(exc).__name__}: {str(exc)[:200]}", file=sys.stderr)
                 ok = False
             honest_s = time.perf_counter() - t0
+            rss_growth = relay.memory_info().rss - rss_before
         finally:
             for sock in socks:
                 sock.close()
@@ -159,6 +164,7 @@ async def _slot_flood(store: Path, key_pub: Path, flood: int, out: Path) -> dict
         "flood_refused": _refused(load),
         "flood_transfers_held": load["active_transfers"],
         "honest_fetch_s": round(honest_s, 3),
+        "relay_rss_growth_mb_under_slot_flood": round(rss_growth / 2**20, 1),
     }
 
 
@@ -166,7 +172,9 @@ def slot_flood(quick: bool = True) -> dict:
     """Flood a relay's transfer slots from one address, then fetch a version from another.
 
     Returns ``honest_fetch_ok_under_slot_flood``, ``flood_connections``, ``flood_refused`` (connections
-    closed at accept plus downloads refused), ``flood_transfers_held`` and ``honest_fetch_s``.
+    closed at accept plus downloads refused), ``flood_transfers_held``, ``honest_fetch_s`` and
+    ``relay_rss_growth_mb_under_slot_flood`` (the relay's resident memory after the flood and the fetch,
+    less before).
     """
     flood = 520 if quick else 2000
     with tempfile.TemporaryDirectory(prefix="abuse-relay-") as tmp:
@@ -188,7 +196,7 @@ async def _seconds_until_closed(reader: asyncio.StreamReader, t0: float) -> floa
 
 
 async def _idle_and_slowloris(store: Path, key_pub: Path, idle: int) -> dict:
-    async with _relay_process(store, key_pub) as url:
+    async with _relay_process(store, key_pub) as (url, _):
         port = int(url.rsplit(":", 1)[1])
         t0 = time.monotonic()
         idle_conns = [
@@ -244,8 +252,9 @@ def main() -> None:
     flood = slot_flood(args.quick)
     print(
         f"slot flood: {flood['flood_connections']} non-reading downloads from one address, "
-        f"{flood['flood_refused']} refused, {flood['flood_transfers_held']} held; honest fetch from "
-        f"another address ok={flood['honest_fetch_ok_under_slot_flood']} in {flood['honest_fetch_s']} s"
+        f"{flood['flood_refused']} refused, {flood['flood_transfers_held']} held, relay RSS "
+        f"+{flood['relay_rss_growth_mb_under_slot_flood']} MB; honest fetch from another address "
+        f"ok={flood['honest_fetch_ok_under_slot_flood']} in {flood['honest_fetch_s']} s"
     )
     slow = idle_and_slowloris(args.quick)
     print(
