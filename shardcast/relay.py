@@ -40,7 +40,8 @@ Anyone may connect, so no client can take what the others need (``docs/relay.md`
 
 - **Connections.** At most ``max_connections`` in all and ``max_connections_per_address`` from one
   address (an IPv4 address, or an IPv6 /64: one subscriber's allocation). The relay accepts
-  connections itself and closes one over either limit at once, before reading a byte of it.
+  connections itself (aiohttp has no hook at accept) and closes one over either limit at once, before
+  reading a byte of it.
 - **Transfers.** At most ``max_transfers`` file downloads at once (beyond: 503) and
   ``max_transfers_per_address`` from one address (beyond: 429), refused before the file is opened.
   Refusals carry ``Retry-After`` and ``X-Shardcast-Refusal: <reason>``; ``/status`` counts every
@@ -389,8 +390,10 @@ class RelayServer:
 
     @web.middleware
     async def _serve(self, request: web.Request, handler):
-        """Count the request, refuse a body, and send the answer under a deadline (file answers send
-        themselves, with their transfer slot held)."""
+        """Count the request, refuse a body, and send the answer under a deadline.
+
+        File answers are sent by their handler, which holds a transfer slot meanwhile.
+        """
         self.requests_total += 1
         try:
             if request.can_read_body:
