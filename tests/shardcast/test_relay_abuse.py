@@ -40,6 +40,10 @@ def big_store(tmp_path, coord_key):
     return ckpt, store
 
 
+def run(coro):
+    return asyncio.run(coro)
+
+
 def session_from(address: str) -> aiohttp.ClientSession:
     return aiohttp.ClientSession(connector=aiohttp.TCPConnector(local_addr=(address, 0)), trust_env=False)
 
@@ -399,10 +403,6 @@ def test_a_relay_process_stops_on_a_signal_in_every_state_and_exits_0(
     assert returncode == 0, stderr
     assert stopped_in < 10, f"still running {stopped_in:.1f} s after the signal"
     assert "Traceback" not in stderr
-
-
-def run(coro):
-    return asyncio.run(coro)
 
 
 def test_the_books_of_closed_connections_stay_bounded_as_sources_come_and_go(store, coord_key):
