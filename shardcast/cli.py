@@ -7,12 +7,15 @@
     veriroll shardcast fetch --relay URL [--relay URL ...] --coordinator-key KEY.pub --out DIR
                              [--version N|latest] [--min-version N] [--concurrency C] [--timeout S]
     veriroll relay run --store DIR --port P --coordinator-key KEY.pub [--upstream URL ...]
-                       [--host 127.0.0.1] [--keep K] [--poll-interval S]
+                       [--host 127.0.0.1] [--keep K] [--poll-interval S] [--idle-timeout S]
+                       [--max-connections N] [--max-connections-per-address N]
+                       [--max-transfers N] [--max-transfers-per-address N]
 
 ``fetch`` exits 0 only with a complete, verified checkpoint in DIR. Other exit statuses: 3 no relay
 reachable, 4 bad signature (or unreadable key), 5 version gone everywhere, 6 disk full, 7 a shard
 could not be obtained intact, 8 invalid manifest, 9 publish failed, 10 output directory not ours,
-1 anything else, 2 usage. ``register(subparsers)`` adds both commands to the main ``veriroll`` parser;
+1 anything else, 2 usage. ``relay run`` stops on SIGTERM or SIGINT within seconds and exits 0.
+``register(subparsers)`` adds both commands to the main ``veriroll`` parser;
 ``python -m veriroll.shardcast.cli ...`` runs them standalone.
 """
 
@@ -24,6 +27,7 @@ import json
 import logging
 import sys
 
+from . import relay
 from .errors import ShardcastError, exit_code_of
 from .manifest import DEFAULT_SHARD_SIZE
 
@@ -124,12 +128,21 @@ def cmd_fetch(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_relay_run(args: argparse.Namespace) -> int:
-    from .relay import serve_relay
+def _count_or_off(text: str) -> int | None:
+    """A per-address limit: a count, or 0 for none (behind a proxy, every client has the proxy's address)."""
+    try:
+        n = int(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not a count: {text!r}") from exc
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"a limit is 0 (none) or more, got {n}")
+    return n or None
 
+
+def cmd_relay_run(args: argparse.Namespace) -> int:
     try:
         asyncio.run(
-            serve_relay(
+            relay.serve_relay(
                 args.store,
                 args.coordinator_key,
                 upstreams=args.upstream,
@@ -138,6 +151,10 @@ def cmd_relay_run(args: argparse.Namespace) -> int:
                 keep=args.keep,
                 poll_interval=args.poll_interval,
                 idle_timeout=args.idle_timeout,
+                max_connections=args.max_connections,
+                max_connections_per_address=args.max_connections_per_address,
+                max_transfers=args.max_transfers,
+                max_transfers_per_address=args.max_transfers_per_address,
             )
         )
     except (ShardcastError, OSError) as exc:
@@ -189,7 +206,41 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     run.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     run.add_argument("--keep", type=int, default=3, help="versions to mirror and keep (default 3)")
     run.add_argument("--poll-interval", type=float, default=5.0, help="seconds between upstream polls")
-    run.add_argument("--idle-timeout", type=float, default=15.0, help="close connections idle this long")
+    run.add_argument(
+        "--idle-timeout",
+        type=float,
+        default=relay.DEFAULT_IDLE_TIMEOUT,
+        help="close a connection that has sent no complete request head for this long, idle or slow "
+        f"(default {relay.DEFAULT_IDLE_TIMEOUT:g} s)",
+    )
+    run.add_argument(
+        "--max-connections",
+        type=int,
+        default=relay.DEFAULT_MAX_CONNECTIONS,
+        help=f"open connections in all (default {relay.DEFAULT_MAX_CONNECTIONS})",
+    )
+    run.add_argument(
+        "--max-connections-per-address",
+        type=_count_or_off,
+        default=relay.DEFAULT_MAX_CONNECTIONS_PER_ADDRESS,
+        metavar="N",
+        help="open connections from one IPv4 address or IPv6 /64; 0: no limit "
+        f"(default {relay.DEFAULT_MAX_CONNECTIONS_PER_ADDRESS})",
+    )
+    run.add_argument(
+        "--max-transfers",
+        type=int,
+        default=relay.DEFAULT_MAX_TRANSFERS,
+        help=f"file downloads at once, in all (default {relay.DEFAULT_MAX_TRANSFERS})",
+    )
+    run.add_argument(
+        "--max-transfers-per-address",
+        type=_count_or_off,
+        default=relay.DEFAULT_MAX_TRANSFERS_PER_ADDRESS,
+        metavar="N",
+        help="file downloads at once from one IPv4 address or IPv6 /64; 0: no limit "
+        f"(default {relay.DEFAULT_MAX_TRANSFERS_PER_ADDRESS})",
+    )
     run.set_defaults(func=cmd_relay_run)
 
 

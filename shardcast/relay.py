@@ -16,11 +16,14 @@ URL scheme (all GET, HEAD too; JSON is UTF-8):
 
 ===================================  ==========================================================
 ``/status``                          ``{"service", "protocol", "role", "versions", "latest",
-                                     "keep", "upstreams", "load": {...}, "mirror": {...}}``;
+                                     "keep", "upstreams", "load": {...}, "limits": {...},
+                                     "mirror": {...}}``;
                                      ``load`` has ``active_transfers``, ``open_connections``,
                                      ``requests_total``, ``bytes_served_total``,
                                      ``busy_rejections_total``, ``send_timeouts_total``,
-                                     ``uptime_s``. Not cached.
+                                     ``rejections`` (by reason),
+                                     ``per_address_rejections_total``, ``uptime_s``;
+                                     ``limits`` has the limits below. Not cached.
 ``/versions``                        ``{"versions": [N, ...], "latest": N | null}``, oldest first.
 ``/versions/latest/manifest``        the signed manifest of the newest version held (header
                                      ``X-Shardcast-Version: N``). Not cached.
@@ -31,28 +34,49 @@ URL scheme (all GET, HEAD too; JSON is UTF-8):
 ===================================  ==========================================================
 
 Versioned responses are immutable (``Cache-Control: public, max-age=31536000, immutable``), so a
-plain HTTP cache in front of a relay is safe. Unknown versions and files are 404; a relay at its
-transfer limit answers 503 with ``Retry-After``.
+plain HTTP cache in front of a relay is safe. Unknown versions and files are 404.
 
-Protection against slow or silent clients: a connection that sends no complete request within
-``idle_timeout`` seconds is closed (aiohttp's keep-alive timer, armed from the moment the connection is
-accepted); a response that does not finish within ``send_grace + bytes / min_send_rate`` seconds is
-cut off. Every transfer is its own task on one event loop, streamed with ``sendfile`` from the page
-cache, so a silent client costs one socket and never delays another client; memory does not grow with
-file sizes.
+Anyone may connect, so no client can take what the others need (``docs/relay.md`` for operators):
+
+- **Connections.** At most ``max_connections`` in all and ``max_connections_per_address`` from one
+  address (an IPv4 address, or an IPv6 /64: one subscriber's allocation). The relay accepts
+  connections itself (aiohttp has no hook at accept) and closes one over either limit at once, before
+  reading a byte of it.
+- **Transfers.** At most ``max_transfers`` file downloads at once (beyond: 503) and
+  ``max_transfers_per_address`` from one address (beyond: 429), refused before the file is opened.
+  Refusals carry ``Retry-After`` and ``X-Shardcast-Refusal: <reason>``; ``/status`` counts every
+  refusal by reason (``load.rejections``; the per-address ones also in
+  ``load.per_address_rejections_total``).
+- **Slow or silent clients.** A connection that has not sent a complete request head within
+  ``idle_timeout`` seconds of being accepted or of its last answer is closed: that covers idle
+  keep-alive connections and clients that send their headers a byte at a time. An answer that is not
+  sent within ``send_grace + bytes / min_send_rate`` seconds is cut off and its connection dropped.
+  Request lines and headers are bounded (``MAX_REQUEST_LINE``, ``MAX_HEADER_FIELD``, ``MAX_HEADERS``)
+  and a request with a body is refused (400, connection closed): a relay takes GET and HEAD only.
+
+Every transfer is its own task on one event loop, streamed with ``sendfile`` from the page cache, so a
+silent client costs one socket and never delays another client; memory does not grow with file sizes.
+``serve_relay`` stops on SIGTERM or SIGINT within seconds whatever is in flight (transfers are cut;
+clients resume elsewhere or later).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
+import ipaddress
 import json
 import logging
 import os
+import resource
 import signal
+import socket
 import time
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
+from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
@@ -72,12 +96,83 @@ PROTOCOL = 1
 DEFAULT_PORT = 8470
 DEFAULT_KEEP = 3
 DEFAULT_POLL_INTERVAL = 5.0
-DEFAULT_IDLE_TIMEOUT = 15.0
+DEFAULT_IDLE_TIMEOUT = 10.0  # also the header timeout: a request head must be complete by then
 DEFAULT_MIN_SEND_RATE = 256 * 1024  # bytes/s a client must keep up, on average, to keep its download
 DEFAULT_SEND_GRACE = 30.0
 DEFAULT_MAX_TRANSFERS = 512
+DEFAULT_MAX_CONNECTIONS = 2048
+# A node downloads at most 2 shards from one relay at once (fetch.DEFAULT_PER_RELAY) over a few pooled
+# connections: these leave room for several nodes behind one NAT, and none for one address to take
+# more than a small share of the relay.
+DEFAULT_MAX_TRANSFERS_PER_ADDRESS = 16
+DEFAULT_MAX_CONNECTIONS_PER_ADDRESS = 64
+MAX_REQUEST_LINE = 8190  # a 1024-character file name, percent-encoded, fits
+MAX_HEADER_FIELD = 4096
+MAX_HEADERS = 32
 IMMUTABLE = "public, max-age=31536000, immutable"
 _REFRESH_EVERY = 0.5
+# Seconds an in-flight answer gets on stop, twice over (aiohttp waits for it, then for its cancellation);
+# a transfer cut short is resumed by its client.
+_SHUTDOWN_GRACE = 1.0
+_FD_RESERVE = 128  # descriptors kept for the store, the mirror's fetch and logging
+
+
+class Refusal(StrEnum):
+    """Why a relay turned a connection or a request away; ``/status`` counts each."""
+
+    CONNECTIONS = "connections"  # max_connections open already: closed at accept
+    ADDRESS_CONNECTIONS = "address_connections"  # max_connections_per_address from there: closed at accept
+    TRANSFERS = "transfers"  # max_transfers in flight: 503
+    ADDRESS_TRANSFERS = "address_transfers"  # max_transfers_per_address from there: 429
+    BODY = "body"  # a request with a body: 400 and the connection closed
+
+
+_PER_ADDRESS = (Refusal.ADDRESS_CONNECTIONS, Refusal.ADDRESS_TRANSFERS)
+
+
+def address_key(host: str) -> str:
+    """The source a per-address limit counts: the IPv4 address, or the /64 an IPv6 address is in.
+
+    An IPv6 subscriber usually holds a whole /64, so counting single addresses would give one client
+    2^64 identities.
+    """
+    try:
+        ip = ipaddress.ip_address(host.split("%", 1)[0])
+    except ValueError:
+        return host
+    if ip.version == 6:
+        return str(ipaddress.ip_network(f"{ip}/64", strict=False))
+    return str(ip)
+
+
+def _listening_sockets(host: str, port: int, backlog: int) -> list[socket.socket]:
+    """Bound, listening, non-blocking sockets for every address ``host`` resolves to.
+
+    With ``port`` 0, every socket gets the port the first one was given.
+    """
+    infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    sockets: list[socket.socket] = []
+    try:
+        seen = set()
+        for family, _, proto, _, sockaddr in infos:
+            if sockaddr in seen:
+                continue
+            seen.add(sockaddr)
+            sock = socket.socket(family, socket.SOCK_STREAM, proto)
+            sockets.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            if port == 0 and len(sockets) > 1:
+                sockaddr = (sockaddr[0], sockets[0].getsockname()[1], *sockaddr[2:])
+            sock.bind(sockaddr)
+            sock.listen(backlog)
+            sock.setblocking(False)
+    except OSError:
+        for sock in sockets:
+            sock.close()
+        raise
+    return sockets
 
 
 class _FileResponseOnce(web.FileResponse):
@@ -101,7 +196,11 @@ class HeldVersion:
 
 
 class RelayServer:
-    """A relay over ``store``; ``await start()``, then ``url``; ``await stop()`` when done."""
+    """A relay over ``store``; ``await start()``, then ``url``; ``await stop()`` when done.
+
+    ``max_connections_per_address`` and ``max_transfers_per_address`` may be None (no per-address
+    limit: a relay behind a reverse proxy sees every client at the proxy's address).
+    """
 
     def __init__(
         self,
@@ -117,6 +216,9 @@ class RelayServer:
         min_send_rate: float = DEFAULT_MIN_SEND_RATE,
         send_grace: float = DEFAULT_SEND_GRACE,
         max_transfers: int = DEFAULT_MAX_TRANSFERS,
+        max_transfers_per_address: int | None = DEFAULT_MAX_TRANSFERS_PER_ADDRESS,
+        max_connections: int = DEFAULT_MAX_CONNECTIONS,
+        max_connections_per_address: int | None = DEFAULT_MAX_CONNECTIONS_PER_ADDRESS,
         fetch_options: dict[str, Any] | None = None,
     ):
         self.store = Path(store)
@@ -131,12 +233,21 @@ class RelayServer:
         self.min_send_rate = min_send_rate
         self.send_grace = send_grace
         self.max_transfers = max_transfers
+        self.max_transfers_per_address = max_transfers_per_address
+        self.max_connections = max_connections
+        self.max_connections_per_address = max_connections_per_address
         self.fetch_options = {"progress": False, **(fetch_options or {})}
         self.held: dict[int, HeldVersion] = {}
         self._refused: dict[str, tuple[int, str]] = {}  # dir name -> (mtime_ns, why), so each is logged once
         self._last_refresh = 0.0
         self._started = time.monotonic()
         self._runner: web.AppRunner | None = None
+        self._listeners: list[socket.socket] = []
+        self._accept_tasks: list[asyncio.Task] = []
+        # Connections by source (aiohttp's server counts them in all). A closed one stays on the books
+        # until its source connects again or a sweep (see _book): no callback per closed connection.
+        self._by_address: dict[str, list[asyncio.BaseTransport]] = {}
+        self._transfers_by_address: Counter[str] = Counter()
         self._mirror_task: asyncio.Task | None = None
         self._mirror_backoff: dict[int, tuple[int, float]] = {}  # version -> (failures, retry after)
         self.mirror_fetching: int | None = None
@@ -144,8 +255,8 @@ class RelayServer:
         self.active_transfers = 0
         self.requests_total = 0
         self.bytes_served_total = 0
-        self.busy_rejections_total = 0
         self.send_timeouts_total = 0
+        self.rejections: Counter[Refusal] = Counter()
 
     @property
     def role(self) -> str:
@@ -212,17 +323,139 @@ class RelayServer:
             raise web.HTTPNotFound(text=f"version {version} is not held here; see /status\n")
         return self.held[version]
 
+    # ---- connections
+
+    def _admit(self, source: str) -> Refusal | None:
+        """Whether a new connection from ``source`` fits the limits (None) or why not."""
+        assert self._runner is not None and self._runner.server is not None
+        if len(self._runner.server.connections) >= self.max_connections:
+            return Refusal.CONNECTIONS
+        limit = self.max_connections_per_address
+        if limit is not None:
+            live = [t for t in self._by_address.get(source, ()) if not t.is_closing()]
+            self._by_address[source] = live
+            if len(live) >= limit:
+                return Refusal.ADDRESS_CONNECTIONS
+        return None
+
+    def _book(self, source: str, transport: asyncio.BaseTransport) -> None:
+        """Note an accepted connection under its source, for the per-address limit."""
+        if self.max_connections_per_address is None:
+            return
+        self._by_address.setdefault(source, []).append(transport)
+        # Sources whose connections all closed are dropped in a sweep when their number reaches twice
+        # the most that can be live; a sweep leaves at most half, so its cost is spread over as many
+        # new sources as it went through.
+        if len(self._by_address) >= 2 * self.max_connections:
+            self._by_address = {
+                src: live
+                for src, transports in self._by_address.items()
+                if (live := [t for t in transports if not t.is_closing()])
+            }
+
+    async def _accept_forever(self, listener: socket.socket) -> None:
+        """Accept connections on ``listener``; one over a limit is closed before anything is read."""
+        loop = asyncio.get_running_loop()
+        assert self._runner is not None and self._runner.server is not None
+        protocol_factory = self._runner.server  # aiohttp's server makes the protocol of each connection
+        while True:
+            try:
+                sock, peer = await loop.sock_accept(listener)
+            except OSError as exc:
+                if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
+                    log.warning("cannot accept connections: %s; retrying in 1 s", exc)
+                    await asyncio.sleep(1.0)
+                continue  # ECONNABORTED and the like: that client is gone, the next one is not
+            source = address_key(peer[0])
+            refusal = self._admit(source)
+            if refusal is not None:
+                self.rejections[refusal] += 1
+                sock.close()
+                continue
+            try:
+                transport, _ = await loop.connect_accepted_socket(protocol_factory, sock)
+            except OSError:
+                sock.close()
+                continue
+            self._book(source, transport)
+
     # ---- handlers
 
+    def _refusal(self, reason: Refusal, status: type[web.HTTPException], text: str) -> web.HTTPException:
+        self.rejections[reason] += 1
+        headers = {"X-Shardcast-Refusal": reason.value}
+        if reason is not Refusal.BODY:
+            headers["Retry-After"] = "1"
+        return status(text=text, headers=headers)
+
     @web.middleware
-    async def _count(self, request: web.Request, handler):
+    async def _serve(self, request: web.Request, handler):
+        """Count the request, refuse a body, and send the answer under a deadline.
+
+        File answers are sent by their handler, which holds a transfer slot meanwhile.
+        """
         self.requests_total += 1
-        return await handler(request)
+        try:
+            if request.can_read_body:
+                raise self._refusal(
+                    Refusal.BODY, web.HTTPBadRequest, "relays take GET and HEAD requests, without a body\n"
+                )
+            response = await handler(request)
+        except web.HTTPException as exc:
+            response = web.Response(status=exc.status, reason=exc.reason, text=exc.text, headers=exc.headers)
+            if exc.headers.get("X-Shardcast-Refusal") == Refusal.BODY:
+                response.force_close()
+        if not response.prepared:
+            body = response.body if isinstance(response, web.Response) else None
+            await self._send(request, response, len(body) if isinstance(body, bytes) else 0)
+        return response
+
+    async def _send(self, request: web.Request, response: web.StreamResponse, nbytes: int) -> bool:
+        """Send ``response``; False when the client did not take ``nbytes`` in time and was dropped."""
+        deadline = self.send_grace + nbytes / self.min_send_rate
+        try:
+            async with asyncio.timeout(deadline):
+                await response.prepare(request)
+                await response.write_eof()
+        except TimeoutError:
+            # The client reads too slowly (or not at all): drop it so its socket and slot are freed.
+            # abort, not close: close would wait for the unread bytes to drain, which they never do.
+            self.send_timeouts_total += 1
+            log.info("cut off %s: %d bytes not sent within %.1f s", request.remote, nbytes, deadline)
+            if request.transport is not None:
+                request.transport.abort()
+            return False
+        return True
+
+    def _load_counters(self) -> dict[str, Any]:
+        server = self._runner.server if self._runner is not None else None
+        return {
+            "active_transfers": self.active_transfers,
+            "open_connections": len(server.connections) if server is not None else 0,
+            "requests_total": self.requests_total,
+            "bytes_served_total": self.bytes_served_total,
+            "busy_rejections_total": self.rejections[Refusal.TRANSFERS],
+            "send_timeouts_total": self.send_timeouts_total,
+            "rejections": {reason.value: self.rejections[reason] for reason in Refusal},
+            "per_address_rejections_total": sum(self.rejections[r] for r in _PER_ADDRESS),
+            "uptime_s": round(time.monotonic() - self._started, 3),
+        }
+
+    def limits(self) -> dict[str, Any]:
+        """The limits this relay enforces, as ``/status`` shows them."""
+        return {
+            "max_connections": self.max_connections,
+            "max_connections_per_address": self.max_connections_per_address,
+            "max_transfers": self.max_transfers,
+            "max_transfers_per_address": self.max_transfers_per_address,
+            "idle_timeout_s": self.idle_timeout,
+            "send_grace_s": self.send_grace,
+            "min_send_rate": self.min_send_rate,
+        }
 
     async def _status(self, request: web.Request) -> web.Response:
         self.refresh(force=True)
         versions = self.versions()
-        server = self._runner.server if self._runner is not None else None
         body = {
             "service": "veriroll-shardcast-relay",
             "protocol": PROTOCOL,
@@ -231,15 +464,8 @@ class RelayServer:
             "latest": versions[-1] if versions else None,
             "keep": self.keep,
             "upstreams": self.upstreams,
-            "load": {
-                "active_transfers": self.active_transfers,
-                "open_connections": len(server.connections) if server is not None else 0,
-                "requests_total": self.requests_total,
-                "bytes_served_total": self.bytes_served_total,
-                "busy_rejections_total": self.busy_rejections_total,
-                "send_timeouts_total": self.send_timeouts_total,
-                "uptime_s": round(time.monotonic() - self._started, 3),
-            },
+            "load": self._load_counters(),
+            "limits": self.limits(),
             "mirror": {"fetching": self.mirror_fetching, "last_error": self.mirror_last_error},
         }
         return web.json_response(body, headers={"Cache-Control": "no-cache"})
@@ -264,6 +490,17 @@ class RelayServer:
         )
 
     async def _file(self, request: web.Request) -> web.StreamResponse:
+        # The slot checks come first: a refused request costs no lookup and no open file.
+        source = address_key(request.remote or "")
+        limit = self.max_transfers_per_address
+        if limit is not None and self._transfers_by_address[source] >= limit:
+            raise self._refusal(
+                Refusal.ADDRESS_TRANSFERS,
+                web.HTTPTooManyRequests,
+                f"{limit} downloads from your address are in progress already; retry when one is done\n",
+            )
+        if self.active_transfers >= self.max_transfers:
+            raise self._refusal(Refusal.TRANSFERS, web.HTTPServiceUnavailable, "relay busy, retry shortly\n")
         which = request.match_info["version"]
         if which == "latest":
             raise web.HTTPNotFound(text="files are addressed by version number, not 'latest'\n")
@@ -272,9 +509,6 @@ class RelayServer:
         entry = held.manifest.file(name)  # only names the signed manifest lists: no way out of the directory
         if entry is None:
             raise web.HTTPNotFound(text=f"version {held.version} has no file {name!r}\n")
-        if self.active_transfers >= self.max_transfers:
-            self.busy_rejections_total += 1
-            raise web.HTTPServiceUnavailable(text="relay busy, retry shortly\n", headers={"Retry-After": "1"})
         try:
             rng = request.http_range
             start = rng.start or 0
@@ -292,25 +526,21 @@ class RelayServer:
             chunk_size=256 * 1024,
             headers={"Cache-Control": IMMUTABLE, "X-Shardcast-Version": str(held.version)},
         )
-        deadline = self.send_grace + nbytes / self.min_send_rate
         self.active_transfers += 1
+        self._transfers_by_address[source] += 1
         try:
-            await asyncio.wait_for(response.prepare(request), deadline)
-        except TimeoutError:
-            # The client reads too slowly (or not at all): drop it so its socket and slot are freed.
-            self.send_timeouts_total += 1
-            log.info("cut off %s: %d bytes not sent within %.1f s", request.remote, nbytes, deadline)
-            if request.transport is not None:
-                request.transport.close()
-            return response  # already (partly) sent; aiohttp finds the connection closed and moves on
+            sent = await self._send(request, response, nbytes)
         finally:
             self.active_transfers -= 1
-        if response.status in (200, 206):
+            self._transfers_by_address[source] -= 1
+            if not self._transfers_by_address[source]:
+                del self._transfers_by_address[source]
+        if sent and response.status in (200, 206):
             self.bytes_served_total += response.content_length or 0
         return response
 
     def make_app(self) -> web.Application:
-        app = web.Application(middlewares=[self._count], client_max_size=4096)
+        app = web.Application(middlewares=[self._serve], client_max_size=4096)
         app.router.add_get("/status", self._status)
         app.router.add_get("/versions", self._versions)
         app.router.add_get("/versions/{version}/manifest", self._manifest)
@@ -319,37 +549,65 @@ class RelayServer:
 
     # ---- lifecycle
 
+    def _fit_connections_to_descriptors(self) -> None:
+        """Lower ``max_connections`` so that connections plus open files fit the descriptor limit.
+
+        Running out of descriptors would break every client, the store and the mirror at once.
+        """
+        soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if soft == resource.RLIM_INFINITY:
+            return
+        room = soft - self.max_transfers - _FD_RESERVE
+        if self.max_connections > room:
+            log.warning(
+                "max_connections lowered from %d to %d: the descriptor limit is %d (raise it with ulimit -n)",
+                self.max_connections,
+                max(1, room),
+                soft,
+            )
+            self.max_connections = max(1, room)
+
     async def start(self) -> None:
         self.store.mkdir(parents=True, exist_ok=True)
         self.refresh(force=True)
+        self._fit_connections_to_descriptors()
         self._runner = web.AppRunner(
             self.make_app(),
             handle_signals=False,
             access_log=None,
             keepalive_timeout=self.idle_timeout,
             handler_cancellation=True,
-            shutdown_timeout=5.0,
+            shutdown_timeout=_SHUTDOWN_GRACE,
+            max_line_size=MAX_REQUEST_LINE,
+            max_field_size=MAX_HEADER_FIELD,
+            max_headers=MAX_HEADERS,
+            lingering_time=0,  # never read a body a client sends anyway: close on it
         )
         await self._runner.setup()
-        site = web.TCPSite(self._runner, self.host, self.port, backlog=1024)
-        await site.start()
-        self.port = self._runner.addresses[0][1]
+        self._listeners = _listening_sockets(self.host, self.port, backlog=1024)
+        self.port = self._listeners[0].getsockname()[1]
+        self._accept_tasks = [asyncio.create_task(self._accept_forever(s)) for s in self._listeners]
         log.info(
-            "relay (%s) serving %s on %s, versions %s",
+            "relay (%s) serving %s on %s, versions %s; limits %s",
             self.role,
             self.store,
             self.url,
             self.versions() or "none",
+            self.limits(),
         )
         if self.upstreams:
             self._mirror_task = asyncio.create_task(self._mirror_loop())
 
     async def stop(self) -> None:
-        if self._mirror_task is not None:
-            self._mirror_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._mirror_task
-            self._mirror_task = None
+        """Stop accepting, stop mirroring, and close every connection (within 2 × ``_SHUTDOWN_GRACE``)."""
+        tasks = [*self._accept_tasks, *([self._mirror_task] if self._mirror_task is not None else [])]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self._accept_tasks, self._mirror_task = [], None
+        for listener in self._listeners:
+            listener.close()
+        self._listeners = []
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
@@ -384,7 +642,7 @@ class RelayServer:
         return {v for vs in results for v in vs}
 
     async def mirror_once(self) -> list[int]:
-        """One mirroring round: fetch the newest ``keep`` upstream versions not held yet; returns those fetched."""
+        """One mirroring round: fetch the newest ``keep`` upstream versions not held yet; returns them."""
         async with aiohttp.ClientSession(trust_env=False) as session:
             claimed = await self._upstream_versions(session)
         now = time.monotonic()
@@ -440,22 +698,26 @@ class RelayServer:
                 await self.mirror_once()
             except asyncio.CancelledError:
                 raise
-            except Exception as exc:  # keep serving whatever happens to one round
+            # Blind on purpose: whatever one round hits (it is logged with its traceback and shown in
+            # /status), the relay keeps serving what it holds and tries again next round.
+            except Exception as exc:  # noqa: BLE001
                 self.mirror_last_error = f"{type(exc).__name__}: {exc}"
                 log.exception("mirror round failed")
             await asyncio.sleep(self.poll_interval)
 
 
 async def serve_relay(store: str | os.PathLike, coordinator_key, **options) -> None:
-    """Run a relay until SIGINT or SIGTERM."""
-    relay = RelayServer(store, coordinator_key, **options)
-    await relay.start()
+    """Run a relay (``options``: RelayServer's) until SIGINT or SIGTERM, then stop within seconds."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
+    # Handlers first: a signal that arrives while the relay starts still stops it, cleanly.
     for sig in (signal.SIGINT, signal.SIGTERM):
         with contextlib.suppress(NotImplementedError, RuntimeError):
             loop.add_signal_handler(sig, stop.set)
+    relay = RelayServer(store, coordinator_key, **options)
+    await relay.start()
     try:
         await stop.wait()
+        log.info("relay on %s stopping", relay.url)
     finally:
         await relay.stop()
