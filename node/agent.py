@@ -96,36 +96,38 @@ class Backoff:
 class HeartbeatFailures:
     """Consecutive heartbeat failures: how long to wait before the next beat, and logs that do not spam.
 
-    The first failure is logged at once; while it keeps failing the same way, at most once every
-    ``HEARTBEAT_LOG_EVERY_S`` with the count; a different error is logged at once; recovery is logged.
+    The first failure is logged at once; while it keeps failing the same way (the same ``kind``: a reason
+    code or an exception type, whatever its detail), at most once every ``HEARTBEAT_LOG_EVERY_S`` with the
+    count; another kind is logged at once; recovery is logged.
     """
 
     def __init__(self, backoff: Backoff, *, clock: Callable[[], float] = time.monotonic):
         self.backoff = backoff
         self.clock = clock
         self.count = 0
-        self._last_error = ""
+        self._last_kind = ""
         self._logged_at = -float("inf")
         self._unlogged = 0
 
     def next_delay(self, period_s: float) -> float:
         return self.backoff.next() if self.count else period_s
 
-    def failed(self, error: str, *, exc_info: BaseException | None = None) -> None:
+    def failed(self, kind: str, detail: str, *, exc_info: BaseException | None = None) -> None:
         self.count += 1
         now = self.clock()
-        if error != self._last_error or now - self._logged_at >= HEARTBEAT_LOG_EVERY_S:
+        new_kind = kind != self._last_kind
+        if new_kind or now - self._logged_at >= HEARTBEAT_LOG_EVERY_S:
             more = f" ({self._unlogged} more failures since the last report)" if self._unlogged else ""
-            log.warning("heartbeat failed %d time(s) in a row: %s%s; backing off", self.count, error, more,
-                        exc_info=exc_info if error != self._last_error else None)
-            self._last_error, self._logged_at, self._unlogged = error, now, 0
+            log.warning("heartbeat failed %d time(s) in a row: %s: %s%s; backing off", self.count, kind, detail, more,
+                        exc_info=exc_info if new_kind else None)
+            self._last_kind, self._logged_at, self._unlogged = kind, now, 0
         else:
             self._unlogged += 1
 
     def succeeded(self) -> None:
         if self.count:
             log.info("heartbeat back after %d failure(s)", self.count)
-        self.count, self._last_error, self._unlogged = 0, "", 0
+        self.count, self._last_kind, self._unlogged = 0, "", 0
         self._logged_at = -float("inf")
         self.backoff.reset()
 
@@ -320,10 +322,10 @@ class NodeAgent:
                 self.status.download = self.versions.progress()
             except CallError as err:
                 self.status.last_error = f"heartbeat: {err.reason}"
-                failing.failed(f"{err.reason}: {err.details}")
+                failing.failed(err.reason, err.details)
             except Exception as exc:  # noqa: BLE001 - a bug here must not stop the heartbeat; logged with its traceback
                 self.status.last_error = f"heartbeat: {exc}"
-                failing.failed(f"{type(exc).__name__}: {exc}", exc_info=exc)
+                failing.failed(type(exc).__name__, str(exc), exc_info=exc)
             else:
                 failing.succeeded()
 

@@ -4,7 +4,8 @@ Reasons are part of the contract: the coordinator sends the code in the ``x-veri
 trailer and as the prefix of the status message (``"lease_expired: ..."``), counts it per node and
 globally, and the node shows it to its operator. ``strike`` marks the reasons that only a dishonest
 or broken node produces: they count towards a ban. Clock skew, an expired lease or a stale version
-can happen to anyone and never strike.
+can happen to anyone and never strike; nor does a missing proof of work or a full budget of new keys
+(docs/registration.md): those refuse a key that has no history yet.
 """
 
 from __future__ import annotations

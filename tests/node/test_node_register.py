@@ -279,17 +279,17 @@ def test_heartbeat_failures_back_off_and_are_reported_at_a_bounded_rate(caplog):
 
     assert failing.next_delay(10.0) == 10.0  # healthy: the configured period
     delays = []
-    for _ in range(8):
-        failing.failed("unavailable: busy")
+    for i in range(8):
+        failing.failed("unavailable", f"busy (attempt {i})")  # same kind, another detail: still one line
         delays.append(failing.next_delay(10.0))
         now[0] += 5
     assert all(0.5 * min(60.0, 2**i) <= d <= min(60.0, 2**i) for i, d in enumerate(delays)), delays
     assert len(logged()) == 1  # 8 failures in 40 s: one line
     now[0] += HEARTBEAT_LOG_EVERY_S
-    failing.failed("unavailable: busy")
+    failing.failed("unavailable", "busy")
     assert logged() == ["heartbeat failed 9 time(s) in a row: unavailable: busy (7 more failures since the last "
                         "report); backing off"]
-    failing.failed("RuntimeError: boom", exc_info=RuntimeError("boom"))  # a new error is reported at once
+    failing.failed("RuntimeError", "boom", exc_info=RuntimeError("boom"))  # a new error is reported at once
     (record,) = caplog.records
     assert "boom" in record.getMessage() and record.exc_info is not None
     caplog.clear()
