@@ -187,7 +187,7 @@ class NewIdentityLimiter:
 
     def __init__(self, *, per_hour_per_address: float, burst_per_address: float, per_hour_per_prefix: float,
                  burst_per_prefix: float, prefix_v4: int = 24, prefix_v6: int = 64, exempt: Iterable[str] = (),
-                 max_tracked: int = 100_000, clock: Callable[[], float] = time.monotonic):
+                 max_tracked: int = 50_000, clock: Callable[[], float] = time.monotonic):
         self.prefix_v4, self.prefix_v6 = prefix_v4, prefix_v6
         self.exempt = [ipaddress.ip_network(net, strict=False) for net in exempt]
         self.clock = clock

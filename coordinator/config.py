@@ -89,8 +89,8 @@ class IdentityConfig(_Section):
     exempt_networks: list[str] = Field(["127.0.0.0/8", "::1/128"], description="networks whose new keys are not "
                                        "limited (the local testnet runs every node on loopback); set [] when a proxy "
                                        "on this machine forwards the public's connections")
-    max_tracked: int = Field(100_000, ge=1, description="addresses, and separately networks, whose budgets are "
-                             "remembered; the least recently active is forgotten first (bounds memory)")
+    max_tracked: int = Field(50_000, ge=1, description="addresses, and separately networks, whose budgets are "
+                             "remembered (~25 MiB at most for both); the least recently active is forgotten first")
 
     @field_validator("exempt_networks")
     @classmethod
