@@ -6,7 +6,11 @@ line with ``--set section.field=value`` or from the environment with ``VERIROLL_
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field
+import ipaddress
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from veriroll.protos.pow import DEFAULT_BITS
 
 
 class _Section(BaseModel):
@@ -76,6 +80,38 @@ class EnvironmentConfig(_Section):
     reward_workers: int = Field(1, ge=1, description="worker processes that run the reward functions")
 
 
+class IdentityConfig(_Section):
+    """What a NEW key pays to register (docs/registration.md); a key already known re-registers for free."""
+
+    pow_bits: int = Field(DEFAULT_BITS, ge=0, le=32, description="proof of work a new key brings to Register: leading "
+                          "zero bits of a SHA-256 bound to the key, this coordinator and the request time; each bit "
+                          "doubles the cost (20: ~0.5 s on one core); 0: off")
+    new_per_hour_per_address: float = Field(10.0, ge=0, description="new keys one IP address may register per hour, "
+                                            "sustained; 0: no limit")
+    new_burst_per_address: float = Field(10.0, ge=1, description="new keys one IP address may register at once")
+    new_per_hour_per_prefix: float = Field(30.0, ge=0, description="new keys one /24 (IPv4) or /64 (IPv6) may register "
+                                           "per hour, sustained; 0: no limit")
+    new_burst_per_prefix: float = Field(30.0, ge=1, description="new keys one /24 (IPv6 /64) may register at once")
+    prefix_v4: int = Field(24, ge=8, le=32, description="IPv4 prefix length that counts as one network")
+    prefix_v6: int = Field(64, ge=16, le=128, description="IPv6 prefix length that counts as one network (a host "
+                           "often holds a whole /64)")
+    exempt_networks: list[str] = Field(["127.0.0.0/8", "::1/128"], description="networks whose new keys are not "
+                                       "limited (the local testnet runs every node on loopback); set [] when a proxy "
+                                       "on this machine forwards the public's connections")
+    max_tracked: int = Field(50_000, ge=1, description="addresses, and separately networks, whose budgets are "
+                             "remembered (~25 MiB at most for both); the least recently active is forgotten first")
+
+    @field_validator("exempt_networks")
+    @classmethod
+    def _networks_parse(cls, value: list[str]) -> list[str]:
+        for net in value:
+            try:
+                ipaddress.ip_network(net, strict=False)
+            except ValueError as exc:
+                raise ValueError(f"exempt_networks: {net!r} is not a network (e.g. 10.0.0.0/8): {exc}") from exc
+        return value
+
+
 class TrainerConfig(_Section):
     enabled: bool = Field(True, description="train on accepted groups (off: collect only)")
     lr: float = Field(1e-4, gt=0, description="AdamW learning rate")
@@ -122,5 +158,7 @@ class CoordinatorConfig(_Section):
     leases: LeaseConfig = Field(default_factory=LeaseConfig, description="what a lease asks for and how long it lives")
     intake: IntakeConfig = Field(default_factory=IntakeConfig, description="checks on submitted groups, strikes, audits")
     environment: EnvironmentConfig = Field(default_factory=EnvironmentConfig, description="prompt source and rubric")
+    identity: IdentityConfig = Field(default_factory=IdentityConfig, description="the cost of a new key: proof of "
+                                     "work and new keys per address and network per hour")
     trainer: TrainerConfig = Field(default_factory=TrainerConfig, description="the asynchronous off-policy trainer")
     shardcast: ShardcastConfig = Field(default_factory=ShardcastConfig, description="weight broadcast: store and relays")

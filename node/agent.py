@@ -25,6 +25,7 @@ import numpy as np
 from veriroll.node.config import NodeConfig
 from veriroll.node.hardware import Hardware
 from veriroll.protos.identity import PrivateKey
+from veriroll.protos.reasons import Reason
 from veriroll.protos.service import CallError, SignedStub
 from veriroll.protos.v1 import coordinator_pb2 as pb
 from veriroll.toploc import commit_many  # noqa: F401 - fail closed: a node that cannot make proofs won't start
@@ -71,6 +72,8 @@ class NodeStatus:
 
 
 GRACE_S = 8.0  # after a stop signal, how long the lease in hand may take before it is abandoned
+HEARTBEAT_BACKOFF_CAP_S = 60.0  # failing heartbeats slow down to at most one a minute
+HEARTBEAT_LOG_EVERY_S = 60.0  # a failing heartbeat is logged at once, then at most this often (unless it changes)
 
 
 class Stopped(Exception):
@@ -90,12 +93,52 @@ class Backoff:
         self.n = 0
 
 
+class HeartbeatFailures:
+    """Consecutive heartbeat failures: how long to wait before the next beat, and logs that do not spam.
+
+    The first failure is logged at once; while it keeps failing the same way (the same ``kind``: a reason
+    code or an exception type, whatever its detail), at most once every ``HEARTBEAT_LOG_EVERY_S`` with the
+    count; another kind is logged at once; recovery is logged.
+    """
+
+    def __init__(self, backoff: Backoff, *, clock: Callable[[], float] = time.monotonic):
+        self.backoff = backoff
+        self.clock = clock
+        self.count = 0
+        self._last_kind = ""
+        self._logged_at = -float("inf")
+        self._unlogged = 0
+
+    def next_delay(self, period_s: float) -> float:
+        return self.backoff.next() if self.count else period_s
+
+    def failed(self, kind: str, detail: str, *, exc_info: BaseException | None = None) -> None:
+        self.count += 1
+        now = self.clock()
+        new_kind = kind != self._last_kind
+        if new_kind or now - self._logged_at >= HEARTBEAT_LOG_EVERY_S:
+            more = f" ({self._unlogged} more failures since the last report)" if self._unlogged else ""
+            log.warning("heartbeat failed %d time(s) in a row: %s: %s%s; backing off", self.count, kind, detail, more,
+                        exc_info=exc_info if new_kind else None)
+            self._last_kind, self._logged_at, self._unlogged = kind, now, 0
+        else:
+            self._unlogged += 1
+
+    def succeeded(self) -> None:
+        if self.count:
+            log.info("heartbeat back after %d failure(s)", self.count)
+        self.count, self._last_kind, self._unlogged = 0, "", 0
+        self._logged_at = -float("inf")
+        self.backoff.reset()
+
+
 class NodeAgent:
     def __init__(self, cfg: NodeConfig, *, key: PrivateKey, channel: grpc.aio.Channel, engine_factory: Callable,
                  versions, hardware: Hardware, engine_kind: str, device: str, adversary=None):
         self.cfg = cfg
         self.key = key
-        self.stub = SignedStub(channel, key, timeout=cfg.call_timeout_s)
+        self.stub = SignedStub(channel, key, timeout=cfg.call_timeout_s,
+                               method_timeouts={"SubmitGroup": cfg.submit_timeout_s}, max_pow_bits=cfg.pow_max_bits)
         self.engine_factory = engine_factory
         self.engine = None
         self.versions = versions
@@ -228,7 +271,11 @@ class NodeAgent:
                     raise
                 delay = self._backoff.next()
                 self.status.last_error = f"{err.reason}: {err.details}"
-                log.warning("cannot reach the coordinator (%s); retrying in %.1fs", err.reason, delay)
+                if err.reason == Reason.NEW_IDENTITY_LIMITED.value:
+                    log.warning("the coordinator takes no more new keys from this network now (%s); retrying in %.1fs",
+                                err.details, delay)
+                else:
+                    log.warning("cannot reach the coordinator (%s); retrying in %.1fs", err.reason, delay)
                 await self._sleep(delay)
         self._backoff.reset()
         skew = (resp.server_time_ms - time.time() * 1000) / 1000
@@ -259,8 +306,10 @@ class NodeAgent:
         self.status.policy_version = policy.version
 
     async def _heartbeats(self) -> None:
+        """Report liveness and pick up new policy versions, until the node stops; failures back off and are logged."""
+        failing = HeartbeatFailures(Backoff(self.cfg.heartbeat_s, max(self.cfg.heartbeat_s, HEARTBEAT_BACKOFF_CAP_S)))
         while not self.stopping.is_set():
-            await self._sleep(self.cfg.heartbeat_s)
+            await self._sleep(failing.next_delay(self.cfg.heartbeat_s))
             try:
                 resp = await self.stub.heartbeat(pb.HeartbeatRequest(
                     loaded_version=self.engine.version if self.engine and self.engine.version is not None else -1,
@@ -273,8 +322,12 @@ class NodeAgent:
                 self.status.download = self.versions.progress()
             except CallError as err:
                 self.status.last_error = f"heartbeat: {err.reason}"
-            except Exception as exc:  # noqa: BLE001 - the heartbeat must outlive any hiccup
+                failing.failed(err.reason, err.details)
+            except Exception as exc:  # noqa: BLE001 - a bug here must not stop the heartbeat; logged with its traceback
                 self.status.last_error = f"heartbeat: {exc}"
+                failing.failed(type(exc).__name__, str(exc), exc_info=exc)
+            else:
+                failing.succeeded()
 
     # --- the loop ---------------------------------------------------------------------------------
 

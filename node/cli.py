@@ -17,7 +17,7 @@ from veriroll.protos.config import ConfigError, load_config
 # Flags that map 1:1 onto NodeConfig fields (None = not given, so file/env values stand).
 _FLAG_FIELDS = ("coordinator", "ca", "key", "coordinator_key", "engine", "device", "dtype", "threads", "max_groups",
                 "max_leases", "cache_dir", "checkpoint_dir", "display_name", "adversary", "status_file", "server_name",
-                "heartbeat_s", "call_timeout_s")
+                "heartbeat_s", "call_timeout_s", "submit_timeout_s")
 
 
 def load_node_config(args) -> NodeConfig:
@@ -180,7 +180,11 @@ def cmd_run(args) -> int:
     except CallError as exc:
         # Refusals a node cannot retry its way out of (clock skew, ban, bad TLS...): say why, no traceback.
         hint = {"clock_skew": "set the system clock (e.g. enable NTP) and start again",
-                "banned": "this key is banned on this coordinator"}.get(exc.reason, "see `veriroll node doctor`")
+                "banned": "this key is banned on this coordinator",
+                "pow_required": "registering a new key here takes more proof of work than this node allows; "
+                                "allow it with `--set pow_max_bits=N`, or use a key this coordinator knows",
+                "pow_invalid": "the coordinator refused this node's proof of work twice; check the system clock "
+                               "(NTP) and `veriroll node doctor`"}.get(exc.reason, "see `veriroll node doctor`")
         print(f"the coordinator refused this node: {exc}\n{hint}", file=sys.stderr)
         return 3
 
@@ -265,6 +269,8 @@ def register(subparsers) -> None:
     q.add_argument("--display-name", dest="display_name")
     q.add_argument("--status-file", dest="status_file", help="write JSON status here after each group")
     q.add_argument("--heartbeat-s", dest="heartbeat_s", type=float)
+    q.add_argument("--submit-timeout-s", dest="submit_timeout_s", type=float,
+                   help="deadline of SubmitGroup (the coordinator verifies the group before answering)")
     q.add_argument("--create-key", dest="create_key", action="store_true", help="create the key file if it does not exist")
     q.add_argument("--adversary", metavar="KIND", help=ADVERSARY_HELP)
     q.add_argument("--log-level", default="info")

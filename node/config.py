@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from veriroll.protos.pow import DEFAULT_MAX_BITS, MAX_BITS
+
 
 class NodeConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -21,6 +23,11 @@ class NodeConfig(BaseModel):
     max_leases: int = Field(1, ge=1, description="leases to hold at once")
     heartbeat_s: float = Field(10.0, gt=0, description="heartbeat period")
     call_timeout_s: float = Field(30.0, gt=0, description="deadline of each coordinator call")
+    submit_timeout_s: float = Field(120.0, gt=0, description="deadline of SubmitGroup, which waits while the coordinator "
+                                    "verifies the group (the longer of this and call_timeout_s applies)")
+    pow_max_bits: int = Field(DEFAULT_MAX_BITS, ge=0, le=MAX_BITS, description="most proof of work this node does to "
+                              "register a new key (leading zero bits; each bit doubles the time, 24 is ~8 s on one "
+                              "core); a coordinator asking more is refused")
     cache_dir: str = Field("~/.cache/veriroll/node", description="where fetched checkpoints are kept")
     checkpoint_dir: str = Field("", description="read policy versions from this local directory (vNNNNNN/ subfolders) instead of relays")
     relays: list[str] = Field(default_factory=list, description="relay URLs to fetch from (default: the coordinator's list)")

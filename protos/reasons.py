@@ -4,7 +4,8 @@ Reasons are part of the contract: the coordinator sends the code in the ``x-veri
 trailer and as the prefix of the status message (``"lease_expired: ..."``), counts it per node and
 globally, and the node shows it to its operator. ``strike`` marks the reasons that only a dishonest
 or broken node produces: they count towards a ban. Clock skew, an expired lease or a stale version
-can happen to anyone and never strike.
+can happen to anyone and never strike; nor does a missing proof of work or a full budget of new keys
+(docs/registration.md): those refuse a key that has no history yet.
 """
 
 from __future__ import annotations
@@ -27,6 +28,10 @@ class Reason(str, enum.Enum):
     MESSAGE_TOO_LARGE = "message_too_large"
     MALFORMED = "malformed"
     DEADLINE_REQUIRED = "deadline_required"
+    # the cost of a new identity (protos/pow.py, coordinator/admission.py)
+    POW_REQUIRED = "pow_required"
+    POW_INVALID = "pow_invalid"
+    NEW_IDENTITY_LIMITED = "new_identity_limited"
     # lease
     LEASE_UNKNOWN = "lease_unknown"
     LEASE_NOT_YOURS = "lease_not_yours"
@@ -77,6 +82,9 @@ _CODES = {
     Reason.MESSAGE_TOO_LARGE: _C.RESOURCE_EXHAUSTED,
     Reason.MALFORMED: _C.INVALID_ARGUMENT,
     Reason.DEADLINE_REQUIRED: _C.INVALID_ARGUMENT,
+    Reason.POW_REQUIRED: _C.FAILED_PRECONDITION,
+    Reason.POW_INVALID: _C.INVALID_ARGUMENT,
+    Reason.NEW_IDENTITY_LIMITED: _C.RESOURCE_EXHAUSTED,
     Reason.LEASE_UNKNOWN: _C.NOT_FOUND,
     Reason.LEASE_NOT_YOURS: _C.PERMISSION_DENIED,
     Reason.LEASE_EXPIRED: _C.FAILED_PRECONDITION,
@@ -125,6 +133,11 @@ _MESSAGES = {
     Reason.MESSAGE_TOO_LARGE: "the request is larger than the coordinator accepts",
     Reason.MALFORMED: "the request body is not a valid message",
     Reason.DEADLINE_REQUIRED: "every call must carry a deadline (timeout)",
+    Reason.POW_REQUIRED: "a new key must carry a proof of work on Register; the detail says how many bits",
+    Reason.POW_INVALID: ("the proof of work does not reach its bits for this key, this coordinator and this "
+                         "request's timestamp"),
+    Reason.NEW_IDENTITY_LIMITED: ("too many new keys registered from this address or its network in the last "
+                                  "hour; retry later, or keep using an existing key"),
     Reason.LEASE_UNKNOWN: "no such lease",
     Reason.LEASE_NOT_YOURS: "this lease was issued to another node",
     Reason.LEASE_EXPIRED: "the lease deadline has passed; its prompt went back to the pool",

@@ -6,12 +6,17 @@ serializer, so what the server hashes is byte for byte what the client signed.
 
 from __future__ import annotations
 
+import asyncio
+import threading
+import time
 from dataclasses import dataclass
 
 import grpc
 
 from veriroll.protos.envelope import REASON_TRAILER, sign_request
 from veriroll.protos.identity import PrivateKey
+from veriroll.protos.pow import DEFAULT_MAX_BITS, Challenge, solve
+from veriroll.protos.reasons import Reason
 from veriroll.protos.v1 import coordinator_pb2 as pb
 
 SERVICE = "veriroll.v1.Coordinator"
@@ -25,9 +30,11 @@ METHODS: dict[str, tuple[type, type]] = {
     "GetLedger": (pb.LedgerRequest, pb.LedgerResponse),
 }
 
-# Client-side defaults: every call carries a deadline (the server refuses calls without one).
+# Every call carries a deadline (the server refuses calls without one): the longer of the stub's timeout
+# and the method's own, so a short general timeout never cuts off SubmitGroup while the group is verified.
 DEFAULT_TIMEOUT_S = {"SubmitGroup": 120.0}
 DEFAULT_TIMEOUT = 15.0
+_POW_REFUSALS = (Reason.POW_REQUIRED.value, Reason.POW_INVALID.value)
 
 
 def full_method(name: str) -> str:
@@ -67,32 +74,63 @@ def reason_of(err: grpc.aio.AioRpcError | grpc.RpcError, trailing=None) -> str:
 
 
 class SignedStub:
-    """Async client for the Coordinator service that signs every request with ``key``."""
+    """Async client for the Coordinator service that signs every request with ``key``.
 
-    def __init__(self, channel: grpc.aio.Channel, key: PrivateKey, *, timeout: float | None = None):
+    ``timeout`` is the deadline of every call, ``method_timeouts`` raises it for slow methods (the longer
+    one wins; ``DEFAULT_TIMEOUT_S`` gives SubmitGroup 120 s). ``max_pow_bits`` is the most proof of work
+    :meth:`register` will do for a new key.
+    """
+
+    def __init__(self, channel: grpc.aio.Channel, key: PrivateKey, *, timeout: float | None = None,
+                 method_timeouts: dict[str, float] | None = None, max_pow_bits: int = DEFAULT_MAX_BITS):
         self.channel = channel
         self.key = key
         self.timeout = timeout
+        self.method_timeouts = {**DEFAULT_TIMEOUT_S, **(method_timeouts or {})}
+        self.max_pow_bits = max_pow_bits
         self._calls = {
             name: channel.unary_unary(full_method(name), request_serializer=_identity,
                                       response_deserializer=resp.FromString)
             for name, (_, resp) in METHODS.items()
         }
 
-    async def call_raw(self, name: str, body: bytes, *, timeout: float | None = None, metadata=None):
-        """Send pre-serialized ``body`` (signed unless ``metadata`` is given) and return the response."""
-        md = metadata if metadata is not None else sign_request(self.key, full_method(name), body)
-        t = timeout or self.timeout or DEFAULT_TIMEOUT_S.get(name, DEFAULT_TIMEOUT)
+    def deadline_s(self, name: str) -> float:
+        """The deadline of a call of ``name``: the stub's timeout, or the method's own where that is longer."""
+        return max(self.timeout or DEFAULT_TIMEOUT, self.method_timeouts.get(name, 0.0))
+
+    async def call_raw(self, name: str, body: bytes, *, timeout: float | None = None, metadata=None,
+                       now_ms: int | None = None):
+        """Send pre-serialized ``body`` (signed at ``now_ms``, unless ``metadata`` is given) and return the response."""
+        md = metadata if metadata is not None else sign_request(self.key, full_method(name), body, now_ms=now_ms)
         try:
-            return await self._calls[name](body, metadata=md, timeout=t)
+            return await self._calls[name](body, metadata=md, timeout=timeout or self.deadline_s(name))
         except grpc.aio.AioRpcError as err:
             raise CallError(err.code(), reason_of(err), err.details() or "") from err
 
-    async def call(self, name: str, request, *, timeout: float | None = None):
-        return await self.call_raw(name, request.SerializeToString(), timeout=timeout)
+    async def call(self, name: str, request, *, timeout: float | None = None, now_ms: int | None = None):
+        return await self.call_raw(name, request.SerializeToString(), timeout=timeout, now_ms=now_ms)
 
     async def register(self, request: pb.RegisterRequest) -> pb.RegisterResponse:
-        return await self.call("Register", request)
+        """Register; if the coordinator asks this (new) key for proof of work, solve it and send Register once more.
+
+        Solving runs in a worker thread that stops as soon as this call is cancelled. A challenge above
+        ``max_pow_bits`` is not attempted: the refusal is raised with a note saying which setting allows it.
+        """
+        try:
+            return await self.call("Register", request)
+        except CallError as err:
+            challenge = Challenge.from_detail(err.details) if err.reason in _POW_REFUSALS else None
+            if challenge is None:
+                raise
+            if challenge.bits > self.max_pow_bits:
+                raise CallError(err.code, err.reason, f"{err.details}; this node does at most {self.max_pow_bits} "
+                                                      "bits of proof of work (raise pow_max_bits)") from err
+        ts_ms = int(time.time() * 1000)  # the proof is bound to the envelope's timestamp: sign at the same one
+        nonce = await _solve_in_thread(challenge, self.key.public.raw, ts_ms)
+        proven = pb.RegisterRequest()
+        proven.CopyFrom(request)
+        proven.pow_nonce, proven.pow_bits = nonce, challenge.bits
+        return await self.call("Register", proven, now_ms=ts_ms)
 
     async def heartbeat(self, request: pb.HeartbeatRequest) -> pb.HeartbeatResponse:
         return await self.call("Heartbeat", request)
@@ -108,6 +146,19 @@ class SignedStub:
 
     async def get_ledger(self) -> pb.LedgerResponse:
         return await self.call("GetLedger", pb.LedgerRequest())
+
+
+async def _solve_in_thread(challenge: Challenge, node_key: bytes, ts_ms: int) -> int:
+    """:func:`veriroll.protos.pow.solve` off the event loop; cancelling the caller stops the thread within ms."""
+    cancel = threading.Event()
+    try:
+        nonce = await asyncio.to_thread(solve, challenge.coordinator_key, node_key, ts_ms, challenge.bits,
+                                        cancelled=cancel.is_set)
+    finally:
+        cancel.set()
+    if nonce is None:
+        raise RuntimeError(f"no nonce reaches {challenge.bits} bits of proof of work")
+    return nonce
 
 
 def secure_channel(target: str, ca_pem: bytes | None, *, server_name: str | None = None) -> grpc.aio.Channel:

@@ -36,16 +36,20 @@ class HardwareReport(_message.Message):
     def __init__(self, cpu: _Optional[str] = ..., cpu_count: _Optional[int] = ..., ram_bytes: _Optional[int] = ..., disk_free_bytes: _Optional[int] = ..., gpus: _Optional[_Iterable[_Union[Gpu, _Mapping]]] = ..., os: _Optional[str] = ..., engine: _Optional[str] = ..., device: _Optional[str] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
-    __slots__ = ("public_key", "hardware", "software_version", "display_name")
+    __slots__ = ("public_key", "hardware", "software_version", "display_name", "pow_nonce", "pow_bits")
     PUBLIC_KEY_FIELD_NUMBER: _ClassVar[int]
     HARDWARE_FIELD_NUMBER: _ClassVar[int]
     SOFTWARE_VERSION_FIELD_NUMBER: _ClassVar[int]
     DISPLAY_NAME_FIELD_NUMBER: _ClassVar[int]
+    POW_NONCE_FIELD_NUMBER: _ClassVar[int]
+    POW_BITS_FIELD_NUMBER: _ClassVar[int]
     public_key: bytes
     hardware: HardwareReport
     software_version: str
     display_name: str
-    def __init__(self, public_key: _Optional[bytes] = ..., hardware: _Optional[_Union[HardwareReport, _Mapping]] = ..., software_version: _Optional[str] = ..., display_name: _Optional[str] = ...) -> None: ...
+    pow_nonce: int
+    pow_bits: int
+    def __init__(self, public_key: _Optional[bytes] = ..., hardware: _Optional[_Union[HardwareReport, _Mapping]] = ..., software_version: _Optional[str] = ..., display_name: _Optional[str] = ..., pow_nonce: _Optional[int] = ..., pow_bits: _Optional[int] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
     __slots__ = ("node_id", "standing", "server_time_ms", "policy")
