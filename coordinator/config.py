@@ -95,9 +95,9 @@ class IdentityConfig(_Section):
     prefix_v4: int = Field(24, ge=8, le=32, description="IPv4 prefix length that counts as one network")
     prefix_v6: int = Field(64, ge=16, le=128, description="IPv6 prefix length that counts as one network (a host "
                            "often holds a whole /64)")
-    exempt_networks: list[str] = Field(["127.0.0.0/8", "::1/128"], description="networks whose new keys are not "
-                                       "limited (the local testnet runs every node on loopback); set [] when a proxy "
-                                       "on this machine forwards the public's connections")
+    exempt_networks: list[str] = Field([], description="networks whose new keys are not limited by address (the local "
+                                       "testnet sets loopback: every node runs on it); never a network that a proxy "
+                                       "forwards the public's connections from")
     max_tracked: int = Field(50_000, ge=1, description="addresses, and separately networks, whose budgets are "
                              "remembered (~25 MiB at most for both); the least recently active is forgotten first")
 

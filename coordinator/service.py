@@ -22,6 +22,7 @@ import numpy as np
 from google.protobuf.message import DecodeError
 
 from veriroll.coordinator import store as st
+from veriroll.coordinator.admission import NewIdentityLimiter, check_register_pow
 from veriroll.coordinator.config import CoordinatorConfig
 from veriroll.coordinator.edge import Door, Refusal
 from veriroll.coordinator.intake import (
@@ -101,6 +102,8 @@ class CoordinatorService:
         self.ledger = Ledger(db, self.metrics, now, max_strikes=cfg.intake.max_strikes,
                              probation_groups=cfg.intake.probation_groups)
         self.door = Door(cfg, self.ledger, now)
+        self.new_identities = NewIdentityLimiter.from_config(cfg.identity)
+        self._log_identity_policy()
         self.leases = LeaseDesk(cfg, db, environment=environment, renderer=self.renderer, policy=policy,
                                 metrics=self.metrics, clock=now, stop_token_ids=self.stop_token_ids)
         self.intake = Intake(cfg, db, ledger=self.ledger, policy=policy, metrics=self.metrics, clock=now,
@@ -136,7 +139,7 @@ class CoordinatorService:
             except DecodeError as exc:
                 raise Refusal(Reason.MALFORMED, f"cannot parse {request_type.__name__}: {exc}") from exc
             if name == "Register":
-                response = await self.register(headers, request)
+                response = await self.register(headers, request, node=node, peer=peer)
             else:
                 response = await self._handlers[name](node, request)
             self.metrics.requests.inc(method=name, result="ok")
@@ -170,12 +173,32 @@ class CoordinatorService:
             accepted_versions=list(range(max(0, v - s_max), v + 1)),
         )
 
-    async def register(self, headers: SignedHeaders, req: pb.RegisterRequest) -> pb.RegisterResponse:
+    def _log_identity_policy(self) -> None:
+        ic = self.cfg.identity
+        if ic.pow_bits <= 0:
+            log.warning("identity: proof of work on Register is OFF by configuration (identity.pow_bits = 0): "
+                        "new keys cost an attacker nothing but the per-address limits")
+        else:
+            log.info("identity: a new key brings %d bits of proof of work to Register", ic.pow_bits)
+        if ic.exempt_networks:
+            log.warning("identity: new keys from %s are not limited per address (identity.exempt_networks)",
+                        ", ".join(ic.exempt_networks))
+
+    async def register(self, headers: SignedHeaders, req: pb.RegisterRequest, *, node: NodeInfo | None = None,
+                       peer: str = "unknown") -> pb.RegisterResponse:
+        """Register a key, or refresh a known one. Only a key the coordinator does not know yet pays: its
+        proof of work first (one hash to check), then a token of its address's and network's budget of
+        new identities, so that requests without work spend nobody's budget."""
         if bytes(req.public_key) != headers.public_key.raw:
             raise Refusal(Reason.BAD_SIGNATURE, "Register must be signed by the key it registers")
         problem = public_key_problem(bytes(req.public_key))
         if problem is not None:  # never store a key anyone can sign for
             raise Refusal(Reason.BAD_KEY, problem)
+        if node is None:
+            refused = check_register_pow(self.cfg.identity.pow_bits, self.coordinator_key.raw, req, headers) \
+                or self.new_identities.allow(peer)
+            if refused is not None:
+                raise Refusal(*refused)
         h = req.hardware
         hw, software_version, display_name = st.bound_node_fields({
             "cpu": h.cpu, "cpu_count": h.cpu_count, "ram_bytes": h.ram_bytes, "disk_free_bytes": h.disk_free_bytes,

@@ -73,6 +73,8 @@ class Testnet:
         sets = {"server.port": 0, "server.http_port": 0, "shardcast.origin_port": origin_port,
                 "shardcast.relays": json.dumps(relay_urls), "shardcast.shard_bytes": 1 << 20,
                 "trainer.max_steps": self.cfg.steps, "trainer.target_reward": 0.0 if self.cfg.steps else self.cfg.target_reward,
+                # Every node of the local testnet connects from loopback: one address, many identities.
+                "identity.exempt_networks": json.dumps(["127.0.0.0/8", "::1/128"]),
                 **self.cfg.coordinator}
         args = [self.veriroll, "coordinator", "init", "--dir", str(self.coord_dir), "--preset", self.cfg.preset, "--json"]
         for k, v in sets.items():

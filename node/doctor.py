@@ -200,10 +200,28 @@ async def check_signed_call(cfg: NodeConfig, key, clock_offset_s: float, timeout
     channel = secure_channel(cfg.coordinator, ca, server_name=cfg.server_name or None)
     stub = SignedStub(channel, key, timeout=timeout)
 
-    async def signed(name: str, request):
+    async def signed(name: str, request, now_ms: int | None = None):
         body = request.SerializeToString()
-        md = sign_request(key, full_method(name), body, now_ms=int(local_ms()))
+        md = sign_request(key, full_method(name), body, now_ms=int(local_ms()) if now_ms is None else now_ms)
         return await stub.call_raw(name, body, metadata=md, timeout=timeout)
+
+    async def register(request) -> tuple:
+        """Register, paying the proof of work a new key owes when the coordinator asks for it; returns the
+        answer and when the answered request was sent (local ms: the clock check brackets that call)."""
+        from veriroll.protos.pow import Challenge, solve
+
+        sent = local_ms()
+        try:
+            return await signed("Register", request), sent
+        except CallError as err:
+            challenge = Challenge.from_detail(err.details) if err.reason in ("pow_required", "pow_invalid") else None
+            if challenge is None or challenge.bits > cfg.pow_max_bits:
+                raise
+        ts = int(local_ms())  # the proof is bound to the signed timestamp
+        request.pow_nonce = await asyncio.to_thread(solve, challenge.coordinator_key, key.public.raw, ts, challenge.bits)
+        request.pow_bits = challenge.bits
+        sent = local_ms()
+        return await signed("Register", request, now_ms=ts), sent
 
     registered = False
     try:
@@ -217,8 +235,7 @@ async def check_signed_call(cfg: NodeConfig, key, clock_offset_s: float, timeout
             from veriroll.node.hardware import detect_hardware
 
             hw = detect_hardware(cfg.cache_dir)
-            t0 = local_ms()
-            resp = await signed("Register", pb.RegisterRequest(
+            resp, t0 = await register(pb.RegisterRequest(
                 public_key=key.public.raw, software_version=VERSION, display_name=cfg.display_name,
                 hardware=pb.HardwareReport(cpu=hw.cpu, cpu_count=hw.cpu_count, ram_bytes=hw.ram_bytes,
                                            disk_free_bytes=hw.disk_free_bytes, os=hw.os)))

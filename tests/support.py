@@ -47,7 +47,10 @@ def make_coordinator_dir(root: Path, overrides: dict | None = None, *, tls: bool
     shutil.copytree(_TEMPLATE[key], base)
     settings = {"server.port": 0, "server.tls": tls, "shardcast.origin_port": -1, "trainer.enabled": False,
                 "leases.group_size": 4, "leases.max_new_tokens": 4, "intake.verify": False,
-                "environment.kwargs": {"min_digits": 1, "max_digits": 1}}
+                "environment.kwargs": {"min_digits": 1, "max_digits": 1},
+                # Registration's proof of work and per-address budget have their own tests
+                # (test_admission, test_identity_cost); here every test's nodes come from loopback.
+                "identity.pow_bits": 0, "identity.exempt_networks": ["127.0.0.0/8", "::1/128"]}
     settings.update(overrides or {})
     cfg = load_config(CoordinatorConfig, overrides=settings)
     (base / "coordinator.toml").write_text(dump_toml(cfg))

@@ -259,3 +259,21 @@ def test_cli_exits_zero_when_all_checks_pass(tmp_path, node_key, capsys):
     out = capsys.readouterr().out
     assert code == 0, out
     assert "all checks passed" in out
+
+
+def test_a_new_key_registers_through_the_doctor_paying_the_proof_of_work(tmp_path, node_key):
+    async def scenario():
+        base = make_coordinator_dir(tmp_path, {"identity.pow_bits": 12})
+        async with running_coordinator(base) as coord:
+            checks = by_name(await doctor.run_doctor(node_cfg(coord, node_key, tmp_path), clock_offset_s=12.0,
+                                                     min_free_bytes=1024))
+            return checks, coord.db.run_sync(st.status_summary)
+
+    from veriroll.coordinator import store as st
+
+    checks, summary = run(scenario())
+    assert checks["signed call"].status == OK and checks["signed call"].data["registered"] is True
+    # The skew is measured on the answered call, not across the time spent solving.
+    assert checks["clock"].data["skew_s"] == pytest.approx(-12.0, abs=1.5)
+    # (The Heartbeat that found the key unknown, then the Register that asked for the work.)
+    assert summary["nodes"] == 1 and summary["rejections_by_reason"] == {"unknown_key": 1, "pow_required": 1}
