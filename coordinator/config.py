@@ -145,6 +145,10 @@ class ShardcastConfig(_Section):
     origin_port: int = Field(0, description="port of the built-in origin relay (0: pick a free one; -1: none)")
     relays: list[str] = Field(default_factory=list, description="relay URLs announced to nodes (the origin is added)")
     origin_url: str = Field("", description="URL nodes and relays use for the origin relay (default http://HOST:PORT of its bind address)")
+    max_transfers_per_address: int = Field(16, ge=0, description="downloads one IP address (IPv6: /64) may run at once "
+                                           "from the origin relay; more are answered 429 with Retry-After (0: no limit)")
+    max_connections_per_address: int = Field(64, ge=0, description="connections one IP address (IPv6: /64) may hold to "
+                                             "the origin relay; more are closed at accept (0: no limit)")
 
 
 class CoordinatorConfig(_Section):

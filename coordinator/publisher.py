@@ -24,7 +24,9 @@ async def start_publisher(coord, key: PrivateKey) -> None:
     cfg = coord.cfg.shardcast
     store = resolve_path(coord.base_dir, cfg.store)
     store.mkdir(parents=True, exist_ok=True)
-    relay = RelayServer(store, key.public, host=coord.cfg.server.host, port=cfg.origin_port, keep=cfg.keep_versions)
+    relay = RelayServer(store, key.public, host=coord.cfg.server.host, port=cfg.origin_port, keep=cfg.keep_versions,
+                        max_transfers_per_address=cfg.max_transfers_per_address or None,
+                        max_connections_per_address=cfg.max_connections_per_address or None)
     await relay.start()
     coord.origin_url = cfg.origin_url or relay.url
     coord.closers.append(relay.stop)

@@ -75,6 +75,7 @@ class Testnet:
                 "trainer.max_steps": self.cfg.steps, "trainer.target_reward": 0.0 if self.cfg.steps else self.cfg.target_reward,
                 # Every node of the local testnet connects from loopback: one address, many identities.
                 "identity.exempt_networks": json.dumps(["127.0.0.0/8", "::1/128"]),
+                "shardcast.max_transfers_per_address": 0, "shardcast.max_connections_per_address": 0,
                 **self.cfg.coordinator}
         args = [self.veriroll, "coordinator", "init", "--dir", str(self.coord_dir), "--preset", self.cfg.preset, "--json"]
         for k, v in sets.items():
@@ -107,7 +108,9 @@ class Testnet:
         pub = str(self.coord_dir / "coordinator.key.pub")
         for r in self.cfg.relay_order():
             self.spawn(r.name, ["relay", "run", "--store", str(self.run_dir / r.name), "--port", str(relay_ports[r.name]),
-                                "--coordinator-key", pub, "--upstream", urls[r.upstream], "--poll-interval", "1"], "relay")
+                                "--coordinator-key", pub, "--upstream", urls[r.upstream], "--poll-interval", "1",
+                                # every node of the local testnet fetches from loopback: one address
+                                "--max-transfers-per-address", "0", "--max-connections-per-address", "0"], "relay")
         kinds = [""] * self.cfg.honest_nodes + list(self.cfg.adversaries)
         from veriroll.protos.identity import write_keypair
 

@@ -183,9 +183,28 @@ class _Relay:
 class _Failure(Exception):
     """A download attempt failed; ``bad`` when the relay served wrong data (not just a flaky network)."""
 
-    def __init__(self, kind: str, detail: str, *, bad: bool = False, connection: bool = False):
+    def __init__(self, kind: str, detail: str, *, bad: bool = False, connection: bool = False,
+                 retry_after: float | None = None):
         super().__init__(detail)
         self.kind, self.detail, self.bad, self.connection = kind, detail, bad, connection
+        self.retry_after = retry_after  # set when the relay was busy (429/503): come back then, it is not a fault
+
+
+BUSY_STATUSES = (429, 503)
+MAX_RETRY_AFTER_S = 30.0
+MAX_BUSY_WAITS = 120
+"""Busy answers a shard may get before they count as failed attempts (a relay that is never free)."""
+
+
+def retry_after_s(value: str | None) -> float:
+    """A busy relay's ``Retry-After`` in seconds (delta form), in [0.5, MAX_RETRY_AFTER_S]; 1 s if absent or odd."""
+    try:
+        seconds = float(value) if value is not None else 1.0
+    except ValueError:
+        seconds = 1.0
+    if seconds != seconds:  # NaN
+        seconds = 1.0
+    return min(MAX_RETRY_AFTER_S, max(0.5, seconds))
 
 
 def normalize_relay_url(url: str) -> str:
@@ -543,6 +562,9 @@ class _Fetch:
                 if resp.status == 404:
                     relay.gone.add(manifest.version)
                     raise _Failure("gone", f"{resp.status} for {shard.file}")
+                if resp.status in BUSY_STATUSES:
+                    raise _Failure("busy", f"answered {resp.status} for {shard.file}",
+                                   retry_after=retry_after_s(resp.headers.get("Retry-After")))
                 if resp.status == 206:
                     m = _CONTENT_RANGE.fullmatch(resp.headers.get("Content-Range", ""))
                     if not m or (int(m.group(1)), int(m.group(2))) != (shard.offset, shard.end - 1):
@@ -629,6 +651,7 @@ class _Fetch:
         bad_for: dict[int, set[str]] = {i: set() for i in todo}
         attempts: dict[int, int] = dict.fromkeys(todo, 0)
         rounds: dict[int, int] = dict.fromkeys(todo, 0)
+        busy: dict[int, int] = dict.fromkeys(todo, 0)
         retry_at: dict[int, float] = {}
         active: dict[asyncio.Task, tuple[int, _Relay, list[int]]] = {}
         accepted = 0
@@ -687,6 +710,14 @@ class _Fetch:
                         raise exc
                     self._advance(-counted[0])  # the progress counted bytes that were thrown away
                     self._report(relay, exc.kind, idx, exc.detail, bad=exc.bad)
+                    if exc.retry_after is not None and busy[idx] < MAX_BUSY_WAITS:
+                        # Busy (its slots, or this address's share of them, are taken): not a failure of the
+                        # relay or the shard. Come back when it says, with jitter so a crowd spreads out.
+                        busy[idx] += 1
+                        attempts[idx] -= 1
+                        retry_at[idx] = time.monotonic() + exc.retry_after * random.uniform(1.0, 1.5)
+                        pending.insert(0, idx)
+                        continue
                     if exc.connection:
                         relay.consecutive_conn_failures += 1
                         if relay.consecutive_conn_failures >= 3:

@@ -420,3 +420,20 @@ def test_the_books_of_closed_connections_stay_bounded_as_sources_come_and_go(sto
             return sizes
 
     assert max(run(go())) < 2 * 4
+
+
+def test_a_fetch_behind_one_address_waits_out_busy_answers_instead_of_failing(big_store, coord_key, tmp_path):
+    """Four downloads at once against a relay that gives this address one transfer: three are answered
+    429 with Retry-After at a time. The fetch waits and comes back; busy answers are not failures."""
+    ckpt, store = big_store
+
+    async def go():
+        async with RelayServer(store, coord_key.public, port=0, max_transfers_per_address=1) as relay:
+            result = await fetch_version([relay.url], coord_key.public, tmp_path / "out", **FAST, concurrency=4,
+                                         max_attempts=2)
+            return result, (await status_of(relay.url))["load"]
+
+    result, load = run(go())
+    assert result.version == 1
+    assert load["rejections"][Refusal.ADDRESS_TRANSFERS] > 0  # it was told to wait, more than twice per shard
+    assert (tmp_path / "out").exists()
