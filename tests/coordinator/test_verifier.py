@@ -169,7 +169,7 @@ def test_bad_input_is_a_rejection_never_an_exception(store):
     assert verdict(tampered(token_ids=np.full(10, VOCAB))) is Reason.TOKEN_OUT_OF_VOCAB
     assert verdict(tampered(token_ids=np.full(10, -1))) is Reason.TOKEN_OUT_OF_VOCAB
     assert verdict(tampered(logprobs=np.zeros(3, np.float32))) is Reason.BAD_LOGPROBS
-    assert verdict(tampered(logprobs=np.full(10, np.nan, np.float32))) is Reason.LOGPROB_MISMATCH
+    assert verdict(tampered(logprobs=np.full(10, np.nan, np.float32))) is Reason.BAD_LOGPROBS
     for junk in (b"", b"TL", b"\x00" * 300, results[0].proof[:-2], results[0].proof + b"xx", None):
         assert verdict(tampered(proof=junk)) is Reason.TOPLOC_FAILED
     assert verdict(submission(results, 3), prompt=[]) is Reason.INTERNAL
