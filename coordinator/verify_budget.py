@@ -10,8 +10,9 @@ The service asks :meth:`VerifierBudget.reserve` before the verifier runs, and re
 ``rate_limited`` when any of the three buckets is empty; after the verifier ran it pays the measured
 seconds with :meth:`VerifierBudget.charge`. A bucket may go below zero (one verification can cost
 more than what was left, and a few may be in flight at once, at most one per verifier thread): that
-debt is repaid by refill before the next group of that scope is verified, so over any minute a
-scope uses at most its allowance, plus one minute's worth once, plus what is in flight.
+debt is repaid by refill before the next group of that scope is verified. Over ``m`` minutes a scope
+uses at most ``m + 1`` minutes' allowance (the full bucket it starts with) plus the overdraw of the
+verifications admitted while it still had time left.
 """
 
 from __future__ import annotations
