@@ -64,6 +64,14 @@ class IntakeConfig(_Section):
     max_proof_bytes_per_token: int = Field(16, description="proof size bound per generated token (plus a fixed header)")
     accepted_dtypes: list[str] = Field(["float32", "bfloat16"], description="precisions nodes may generate in (they declare "
                                        "it; the verifier allows that precision's numerical noise): float32, bfloat16, float16")
+    quick_check_samples: int = Field(1, ge=0, description="samples (drawn at random) whose first TOPLOC chunk is checked "
+                                     "on a short prefill before the whole group's; 0: no quick check")
+    verify_seconds_per_minute_per_identity: float = Field(30.0, ge=0, description="verifier seconds one node key may use "
+                                                          "per minute; over it a group is refused as rate_limited (0: no limit)")
+    verify_seconds_per_minute_per_address: float = Field(60.0, ge=0, description="verifier seconds one IP address may use "
+                                                         "per minute, all its keys together (0: no limit)")
+    verify_seconds_per_minute_per_prefix: float = Field(120.0, ge=0, description="verifier seconds one IPv4 /24 or IPv6 /64 "
+                                                        "may use per minute, all its addresses together (0: no limit)")
 
 
 class EnvironmentConfig(_Section):

@@ -17,6 +17,17 @@ engine commits to) and the logits at the positions that produced each generated 
    agree to ~1e-5, half-precision generation claimed as float32 (fp16's ~1e-3 error is below TOPLOC's
    bf16 resolution but not below this check's float32 tolerance).
 
+A prefill on the trusted weights is the coordinator's most expensive work, and anyone can make keys,
+so the verifier spends it last and in two steps, cheapest first (:class:`Stage`):
+
+- **checks**, no forward pass: the lease and the prompt, the intake's shape stage (lengths, ids,
+  finite log-probs, finish reasons against stop tokens, proof sizes) and the layout of every proof
+  (:func:`veriroll.toploc.check_layout`: header, parameters, length, field ranges);
+- **quick**: the prompt, then the first TOPLOC chunk of one sample drawn at random (``intake.
+  quick_check_samples``), prefilled alone and judged by the three checks above; garbage stops here
+  for the price of ~32 positions (why that is sound: :meth:`TrustedVerifier._quick_check`);
+- **full**: every sample after the same prompt forward, and the three checks on all of it.
+
 The accepted group's trusted log-probs (float32, one array per sample) go to the trainer for the
 decoupled correction. The pure part, :func:`prefill_group` and :func:`judge_group`, works on any model
 and plain tensors; the class adds the weight cache, the thread settings and the never-raise wrapper.
@@ -24,23 +35,27 @@ and plain tensors; the class adds the weight cache, the thread settings and the 
 
 from __future__ import annotations
 
+import copy
+import dataclasses
+import enum
 import functools
 import inspect
 import logging
 import math
+import random
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from veriroll.coordinator.intake import LeaseRecord, Rejection, Submission
-from veriroll.coordinator.service import VerificationResult
+from veriroll.coordinator.intake import LeaseRecord, Rejection, Submission, SubmittedSample, check_shape
 from veriroll.protos.reasons import Reason
-from veriroll.toploc import thresholds_for, verify_many
+from veriroll.toploc import check_layout, thresholds_for, truncate, verify_many
 from veriroll.toploc.sampling import token_logprobs, verify_samples
 
 log = logging.getLogger("veriroll.coordinator.verifier")
@@ -50,6 +65,32 @@ CHUNK_SIZE, TOPK = 32, 128
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
            "float16": torch.float16, "fp16": torch.float16}
+
+QUICK_MAX_SHARE = 0.5
+"""The quick stage runs only when its prefill covers at most this share of the full one's positions:
+above it, refusing garbage there saves less than what it adds to every honest group."""
+
+
+class Stage(str, enum.Enum):
+    """How far the verifier got with a group: the last stage that ran."""
+
+    CHECKS = "checks"  # decided without any forward pass (input, proof layout, weights of that version)
+    QUICK = "quick"  # the prompt and the first TOPLOC chunk of a few samples on the trusted weights
+    FULL = "full"  # the prefill of the whole group
+
+
+@dataclass
+class VerificationResult:
+    """The verifier's answer for one group: a rejection, or the trusted log-probs (float32, one array per
+    sample) for the trainer; with what it cost, so that the service can charge it to the sender."""
+
+    rejection: Rejection | None
+    trusted_logprobs: list[np.ndarray] | None = None
+    seconds: float = 0.0
+    """Wall time of the whole verification, in the verifier's thread."""
+    stage: Stage = Stage.CHECKS
+    quick_seconds: float = 0.0
+    """Part of ``seconds`` spent on the quick stage (0 when it did not run)."""
 
 
 @dataclass(frozen=True)
@@ -175,7 +216,6 @@ def _forward_params(model_type: type) -> frozenset[str]:
     return frozenset(inspect.signature(model_type.forward).parameters)
 
 
-@torch.no_grad()
 def prefill_group(model: torch.nn.Module, prompt_ids: list[int], completions: list[list[int]], *,
                   share_prompt: bool | None = None) -> TrustedGroup:
     """The trusted hidden states and logits of every sample of a group, teacher-forced.
@@ -191,12 +231,75 @@ def prefill_group(model: torch.nn.Module, prompt_ids: list[int], completions: li
     state is read where the engine reads it: the input of the LM head, by a forward pre-hook, so it is
     the final-norm state the logits came from for any architecture.
     """
-    params = _forward_params(type(model))
-    if share_prompt is None:
-        share_prompt = "past_key_values" in params or "cache" in params
-    if share_prompt:
-        return _prefill_shared_prompt(model, prompt_ids, completions, params)
-    return _prefill_full(model, prompt_ids, completions, params)
+    return PromptPrefill(model, prompt_ids, share_prompt=share_prompt).complete(completions)
+
+
+class PromptPrefill:
+    """The prompt run once on the trusted model, for :meth:`complete` to run completions after it.
+
+    The quick stage completes a few short prefixes on a copy of the prompt's cache, the full stage all
+    completions on the cache itself: the prompt costs one forward for both, and the full stage's
+    numbers are those of :func:`prefill_group`, whether a quick stage ran before it or not.
+    """
+
+    @torch.no_grad()
+    def __init__(self, model: torch.nn.Module, prompt_ids: list[int], *, share_prompt: bool | None = None):
+        self.model, self.prompt_ids = model, list(prompt_ids)
+        self._params = _forward_params(type(model))
+        if share_prompt is None:
+            share_prompt = "past_key_values" in self._params or "cache" in self._params
+        self.shares_prompt = share_prompt
+        if not share_prompt:
+            return
+        device = next(model.parameters()).device
+        keep = {"logits_to_keep": 1} if "logits_to_keep" in self._params else {}
+        with _HeadInputs(model) as heads:
+            out = model(input_ids=torch.as_tensor([self.prompt_ids], dtype=torch.long, device=device), use_cache=True,
+                        **keep)
+            # The last prompt position predicts every sample's token 0.
+            self._first_hidden, self._first_logits = heads.pop()[:, -1], out.logits[:, -1]
+        self._cache = getattr(out, "cache", None) or out.past_key_values
+        self._cache_used = False
+
+    @torch.no_grad()
+    def complete(self, completions: list[list[int]], *, keep_cache: bool = False) -> TrustedGroup:
+        """The trusted states of ``completions`` after the prompt. ``keep_cache`` runs them on a copy of
+        the prompt's cache, so that another call can follow; without it the cache is used up."""
+        if not self.shares_prompt:
+            return _prefill_full(self.model, self.prompt_ids, completions, self._params)
+        if self._cache_used:
+            raise RuntimeError("the prompt's cache was used up by an earlier complete(); pass keep_cache=True")
+        model, p, n = self.model, len(self.prompt_ids), len(completions)
+        device = next(model.parameters()).device
+        lengths = [len(c) for c in completions]
+        t_max = max(lengths)
+        first_hidden, first_logits = self._first_hidden.cpu(), self._first_logits.cpu()
+        if t_max == 1:
+            return TrustedGroup(hidden=[first_hidden] * n, logits=[first_logits] * n)
+        if keep_cache:
+            cache = copy.deepcopy(self._cache)
+        else:
+            cache, self._cache_used = self._cache, True
+        cache.batch_repeat_interleave(n)
+        # Tokens 0..t_max-2 of each completion (the last token predicts nothing we check), right-padded.
+        ids = torch.zeros(n, t_max - 1, dtype=torch.long)
+        mask = torch.zeros(n, p + t_max - 1, dtype=torch.long)
+        mask[:, :p] = 1
+        for i, c in enumerate(completions):
+            ids[i, : len(c) - 1] = torch.as_tensor(c[:-1], dtype=torch.long)
+            mask[i, p : p + len(c) - 1] = 1
+        positions = torch.arange(p, p + t_max - 1, dtype=torch.long).expand(n, -1)
+        cache_arg = "cache" if "cache" in self._params else "past_key_values"
+        with _HeadInputs(model) as heads:
+            out = model(input_ids=ids.to(device), attention_mask=mask.to(device), position_ids=positions.to(device),
+                        use_cache=True, **{cache_arg: cache})
+            hidden, logits = heads.pop(), out.logits
+        if logits.shape[:2] != (n, t_max - 1) or hidden.shape[:2] != (n, t_max - 1):
+            raise RuntimeError(f"LM head saw {tuple(hidden.shape)}, logits are {tuple(logits.shape)}")
+        return TrustedGroup(
+            hidden=[torch.cat([first_hidden, hidden[i, : t - 1].cpu()]) for i, t in enumerate(lengths)],
+            logits=[torch.cat([first_logits, logits[i, : t - 1].cpu()]) for i, t in enumerate(lengths)],
+        )
 
 
 class _HeadInputs:
@@ -253,49 +356,18 @@ def _prefill_full(model, prompt_ids, completions, params) -> TrustedGroup:
     )
 
 
-def _prefill_shared_prompt(model, prompt_ids, completions, params) -> TrustedGroup:
-    device = next(model.parameters()).device
-    p, n = len(prompt_ids), len(completions)
-    lengths = [len(c) for c in completions]
-    t_max = max(lengths)
-    keep = {"logits_to_keep": 1} if "logits_to_keep" in params else {}
-    cache_arg = "cache" if "cache" in params else "past_key_values"
-    with _HeadInputs(model) as heads:
-        out = model(input_ids=torch.as_tensor([prompt_ids], dtype=torch.long, device=device), use_cache=True, **keep)
-        first_hidden, first_logits = heads.pop()[:, -1], out.logits[:, -1]  # they predict every sample's token 0
-        if t_max == 1:
-            return TrustedGroup(hidden=[first_hidden.cpu()] * n, logits=[first_logits.cpu()] * n)
-        cache = getattr(out, "cache", None) or out.past_key_values
-        cache.batch_repeat_interleave(n)
-        # Tokens 0..t_max-2 of each completion (the last token predicts nothing we check), right-padded.
-        ids = torch.zeros(n, t_max - 1, dtype=torch.long)
-        mask = torch.zeros(n, p + t_max - 1, dtype=torch.long)
-        mask[:, :p] = 1
-        for i, c in enumerate(completions):
-            ids[i, : len(c) - 1] = torch.as_tensor(c[:-1], dtype=torch.long)
-            mask[i, p : p + len(c) - 1] = 1
-        positions = torch.arange(p, p + t_max - 1, dtype=torch.long).expand(n, -1)
-        out = model(input_ids=ids.to(device), attention_mask=mask.to(device), position_ids=positions.to(device),
-                    use_cache=True, **{cache_arg: cache})
-        hidden, logits = heads.pop(), out.logits
-    if logits.shape[:2] != (n, t_max - 1) or hidden.shape[:2] != (n, t_max - 1):
-        raise RuntimeError(f"LM head saw {tuple(hidden.shape)}, logits are {tuple(logits.shape)}")
-    first_hidden, first_logits = first_hidden.cpu(), first_logits.cpu()
-    return TrustedGroup(
-        hidden=[torch.cat([first_hidden, hidden[i, : t - 1].cpu()]) for i, t in enumerate(lengths)],
-        logits=[torch.cat([first_logits, logits[i, : t - 1].cpu()]) for i, t in enumerate(lengths)],
-    )
-
-
 def judge_group(
-    lease: LeaseRecord, sub: Submission, trusted: TrustedGroup, tol: Tolerances, thresholds=None
+    lease: LeaseRecord, sub: Submission, trusted: TrustedGroup, tol: Tolerances, thresholds=None, *,
+    sample_ids: Sequence[int] | None = None,
 ) -> tuple[Rejection | None, list[np.ndarray] | None]:
     """TOPLOC → sampling → log-probs for a whole group against its trusted prefill.
 
     Returns ``(rejection, None)`` at the first stage a sample fails (the detail names the sample, the
-    verdict's reason and its figures), else ``(None, trusted log-probs per sample)``.
+    verdict's reason and its figures), else ``(None, trusted log-probs per sample)``. ``sample_ids``
+    names the samples in the details when ``sub`` holds a part of a group.
     """
     samples = sub.samples
+    name = list(range(len(samples))) if sample_ids is None else list(sample_ids)
     lengths = [len(s.token_ids) for s in samples]
 
     verdicts = verify_many([s.proof for s in samples], trusted.hidden, chunk_size=CHUNK_SIZE, topk=TOPK,
@@ -304,7 +376,7 @@ def judge_group(
         if not v.ok:
             # The trusted model's own states being non-finite is our problem, not the node's.
             reason = Reason.INTERNAL if v.reason == "non_finite_hidden" else Reason.TOPLOC_FAILED
-            return Rejection(reason, f"sample {i}: {v.reason}: {v.detail}"), None
+            return Rejection(reason, f"sample {name[i]}: {v.reason}: {v.detail}"), None
 
     # Sampling, all samples in one replay: one row per generated token, each with its sample's seed.
     logits = torch.cat(trusted.logits)
@@ -322,7 +394,7 @@ def judge_group(
             start = int(ends[i - 1]) if i else 0
             bad = sum(1 for f in v.mismatched_positions if start <= f < ends[i])
             at_slack = float(slack[flat]) if isinstance(slack, torch.Tensor) else slack
-            where = (f"sample {i}: {bad} of {lengths[i]} tokens are not the seeded draw, first at token "
+            where = (f"sample {name[i]}: {bad} of {lengths[i]} tokens are not the seeded draw, first at token "
                      f"{flat - start} (slack there {at_slack:.3g}; largest margin in the group {v.max_margin:.4g})")
         else:
             where = v.detail
@@ -339,7 +411,7 @@ def judge_group(
         limit = float(allowed[worst]) if isinstance(allowed, torch.Tensor) else allowed
         return Rejection(
             Reason.LOGPROB_MISMATCH,
-            f"sample {i} token {at}: node log-prob {float(claimed[worst]):.5g}, trusted {float(trusted_lp[worst]):.5g} "
+            f"sample {name[i]} token {at}: node log-prob {float(claimed[worst]):.5g}, trusted {float(trusted_lp[worst]):.5g} "
             f"(|diff| {float(claimed[worst] - trusted_lp[worst]):+.3g} beyond the tolerance {limit:.3g})",
         ), None
     split = np.split(trusted_lp.numpy().astype(np.float32), ends[:-1])
@@ -352,27 +424,31 @@ def _seed_bits(seed: int) -> int:
     return seed - (1 << 64) if seed >= (1 << 63) else seed
 
 
-def _check_input(lease: LeaseRecord, prompt_ids: list[int], sub: Submission, vocab_size: int) -> Rejection | None:
-    """What the prefill needs to be meaningful; the intake's shape stage checks the same, but the
-    verifier must stand on its own (never raise, whatever it is given)."""
-    if len(sub.samples) != lease.group_size or len(lease.seeds) != lease.group_size:
-        return Rejection(Reason.WRONG_GROUP_SIZE, f"{len(sub.samples)} samples, {len(lease.seeds)} seeds, "
-                                                  f"group size {lease.group_size}")
+def _check_input(lease: LeaseRecord, prompt_ids: list[int], sub: Submission, *, vocab_size: int, hidden_size: int,
+                 max_proof_bytes_per_token: int) -> Rejection | None:
+    """Everything about a group that costs no forward pass: what the lease and the prompt must be for a
+    prefill to mean anything, the intake's shape stage (the verifier stands on its own: it never
+    raises, whatever it is given, and relies on no earlier stage), then the layout of every proof."""
+    if len(lease.seeds) != lease.group_size:
+        return Rejection(Reason.WRONG_GROUP_SIZE, f"the lease has {len(lease.seeds)} seeds for group size "
+                                                  f"{lease.group_size}")
     if not prompt_ids or any(not 0 <= int(t) < vocab_size for t in prompt_ids):
         return Rejection(Reason.INTERNAL, "the lease's prompt is empty or outside the trusted model's vocabulary")
     if not lease.temperature > 0:
         return Rejection(Reason.INTERNAL, f"lease temperature {lease.temperature} is not positive")
     for i, s in enumerate(sub.samples):
-        t = len(s.token_ids)
-        if t == 0 or t > lease.max_new_tokens:
-            return Rejection(Reason.TOO_LONG, f"sample {i} has {t} tokens, allowed 1..{lease.max_new_tokens}")
         tokens = np.asarray(s.token_ids)
-        if tokens.dtype.kind not in "iu" or bool(((tokens < 0) | (tokens >= vocab_size)).any()):
-            return Rejection(Reason.TOKEN_OUT_OF_VOCAB, f"sample {i} has a token outside [0, {vocab_size})")
-        if len(s.logprobs) != t:
-            return Rejection(Reason.BAD_LOGPROBS, f"sample {i} has {len(s.logprobs)} log-probs for {t} tokens")
+        if tokens.ndim != 1 or (tokens.size and tokens.dtype.kind not in "iu"):
+            return Rejection(Reason.TOKEN_OUT_OF_VOCAB, f"sample {i}: token ids are not a list of integers")
         if not isinstance(s.proof, (bytes, bytearray)):
             return Rejection(Reason.TOPLOC_FAILED, f"sample {i}: the proof is not bytes")
+    rejection = check_shape(sub, lease, vocab_size=vocab_size, max_proof_bytes_per_token=max_proof_bytes_per_token)
+    if rejection is not None:
+        return rejection
+    for i, s in enumerate(sub.samples):
+        v = check_layout(s.proof, len(s.token_ids), hidden_size, chunk_size=CHUNK_SIZE, topk=TOPK)
+        if not v.ok:
+            return Rejection(Reason.TOPLOC_FAILED, f"sample {i}: {v.reason}: {v.detail}")
     return None
 
 
@@ -390,8 +466,10 @@ class TrustedVerifier:
     :class:`VerificationResult`; an exception never leaves :meth:`verify_group`.
     """
 
-    def __init__(self, policy_store, cfg, *, device: str | torch.device = "cpu"):
+    def __init__(self, policy_store, cfg, *, device: str | torch.device = "cpu", rng: random.Random | None = None):
         self.policy_store = policy_store
+        # Which samples the quick stage checks: unpredictable to the node (tests pass a seeded one).
+        self._rng = rng or random.SystemRandom()
         self.cfg = cfg
         self.device = torch.device(device)
         self.dtype = resolve_dtype(cfg.model_dtype)
@@ -452,37 +530,103 @@ class TrustedVerifier:
         model = transformers.AutoModelForCausalLM.from_pretrained(path, **{key: self.dtype})
         return model.to(self.device).eval().requires_grad_(False)
 
-    # -- the stage -----------------------------------------------------------------------------------
+    # -- the stages ----------------------------------------------------------------------------------
 
     def verify_group(self, lease: LeaseRecord, prompt_ids: list[int], sub: Submission) -> VerificationResult:
-        """Prefill the group on the trusted weights of ``lease.policy_version`` and run the checks."""
+        """Judge the group on the trusted weights of ``lease.policy_version``: every check that needs no
+        forward pass, then the quick stage, then the full prefill and its checks."""
         started = time.perf_counter()
         if not getattr(self._thread_setup, "done", False):
             # OpenMP thread counts are per calling thread: set ours once, in the thread we run in.
             torch.set_num_threads(self.cfg.verifier_threads)
             self._thread_setup.done = True
+        result = VerificationResult(None)
         try:
-            rejection, trusted = self._verify(lease, prompt_ids, sub)
+            self._verify(lease, prompt_ids, sub, result)
         except Exception as exc:  # a verdict, never a crash: the group is refused, the node not struck
             log.exception("verification of lease %s failed", getattr(lease, "lease_id", "?"))
-            rejection, trusted = Rejection(Reason.INTERNAL, f"verifier error: {type(exc).__name__}: {exc}"), None
-        return VerificationResult(rejection, trusted, time.perf_counter() - started)
+            result.rejection = Rejection(Reason.INTERNAL, f"verifier error: {type(exc).__name__}: {exc}")
+            result.trusted_logprobs = None
+        result.seconds = time.perf_counter() - started
+        return result
 
-    def _verify(self, lease: LeaseRecord, prompt_ids: list[int], sub: Submission):
+    def _verify(self, lease: LeaseRecord, prompt_ids: list[int], sub: Submission, result: VerificationResult) -> None:
+        """Fill ``result`` stage by stage; ``result.stage`` names the stage running if one raises."""
         if sub.policy_version != lease.policy_version:
-            return Rejection(Reason.VERSION_MISMATCH, f"generated with version {sub.policy_version}, the lease names "
-                                                      f"{lease.policy_version}"), None
+            result.rejection = Rejection(Reason.VERSION_MISMATCH, f"generated with version {sub.policy_version}, the "
+                                                                  f"lease names {lease.policy_version}")
+            return
         model = self.model_for(lease.policy_version)
         if model is None:
-            return Rejection(Reason.STALE_VERSION, f"the trusted weights of version {lease.policy_version} are no "
-                                                   f"longer kept (newest {self._newest}, s_max {self.cfg.intake.s_max})"), None
-        vocab = int(model.get_output_embeddings().weight.shape[0])
-        bad = _check_input(lease, prompt_ids, sub, vocab)
-        if bad is not None:
-            return bad, None
-        trusted = prefill_group(model, [int(t) for t in prompt_ids], [[int(t) for t in s.token_ids] for s in sub.samples])
+            result.rejection = Rejection(Reason.STALE_VERSION, f"the trusted weights of version {lease.policy_version} "
+                                                               f"are no longer kept (newest {self._newest}, s_max "
+                                                               f"{self.cfg.intake.s_max})")
+            return
+        vocab, hidden_size = model.get_output_embeddings().weight.shape
+        result.rejection = _check_input(lease, prompt_ids, sub, vocab_size=int(vocab), hidden_size=int(hidden_size),
+                                        max_proof_bytes_per_token=self.cfg.intake.max_proof_bytes_per_token)
+        if result.rejection is not None:
+            return
         # The node declares its precision (intake checked it is accepted): judge with the noise of the
         # coarser of its engine and ours. A bf16 node under an fp32 verifier gets bf16 slack, nothing more.
         effective = coarser_dtype(self.dtype, resolve_dtype(sub.compute_dtype or "float32"))
         tol = self.tolerances if effective == self.dtype else tolerances_for(effective, self.cfg.intake.logprob_tolerance)
-        return judge_group(lease, sub, trusted, tol, thresholds_for(effective))
+        thresholds = thresholds_for(effective)
+        completions = [[int(t) for t in s.token_ids] for s in sub.samples]
+
+        picked = self._quick_samples(completions)
+        result.stage = Stage.QUICK if picked else Stage.FULL
+        quick_started = time.perf_counter()
+        prompt = PromptPrefill(model, [int(t) for t in prompt_ids])
+        if picked:
+            result.rejection = self._quick_check(prompt, lease, sub, picked, tol, thresholds)
+            result.quick_seconds = time.perf_counter() - quick_started
+            if result.rejection is not None:
+                return
+        result.stage = Stage.FULL
+        result.rejection, result.trusted_logprobs = judge_group(lease, sub, prompt.complete(completions), tol, thresholds)
+
+    def _quick_samples(self, completions: list[list[int]]) -> list[int]:
+        """The samples, drawn at random, whose first chunk the quick stage checks; none when the quick
+        stage is off or would cover more than ``QUICK_MAX_SHARE`` of the full prefill's positions."""
+        n = len(completions)
+        k = min(self.cfg.intake.quick_check_samples, n)
+        if k == 0:
+            return []
+        picked = sorted(self._rng.sample(range(n), k))
+        quick = k * (min(CHUNK_SIZE, max(len(completions[i]) for i in picked)) - 1)
+        full = n * (max(len(c) for c in completions) - 1)
+        return picked if quick <= QUICK_MAX_SHARE * full else []
+
+    @staticmethod
+    def _quick_check(prompt: PromptPrefill, lease: LeaseRecord, sub: Submission, picked: list[int], tol: Tolerances,
+                     thresholds) -> Rejection | None:
+        """TOPLOC, sampling and log-probs on the first chunk (``CHUNK_SIZE`` tokens) of the ``picked``
+        samples, prefilled after the prompt on their own, before the whole group is.
+
+        Sound because nothing the full stage judges in those tokens depends on anything after them:
+        attention is causal, so the hidden states and logits of positions ``< CHUNK_SIZE`` of a sample
+        are functions of the prompt and its tokens before them only, whatever follows; each TOPLOC chunk
+        is committed on its own (``toploc.truncate`` of a proof is the proof of its first chunk); each
+        token's sampling and log-prob checks read only its own row of logits and its own seed. So the
+        quick stage computes the same quantities as the full stage, with the same tolerances and
+        thresholds; they differ only by the prefill's batch composition (one short row here, the padded
+        group there), which is the honest variation those tolerances were calibrated across (a node
+        batches as it likes). A group refused here would be refused by the full stage on the same
+        tokens; a group passed here is still judged whole, so a proof honest in its first chunk and
+        forged later is caught by the full stage.
+
+        The samples are drawn at random after the group arrived: a group that is garbage in a share
+        ``g`` of its samples is refused here with probability at least ``g`` per sample checked.
+        """
+        lengths = [min(CHUNK_SIZE, len(sub.samples[i].token_ids)) for i in picked]
+        part = Submission(sub.lease_id, sub.policy_version, [
+            SubmittedSample(sub.samples[i].token_ids[:c], sub.samples[i].logprobs[:c], truncate(sub.samples[i].proof, c),
+                            sub.samples[i].finish_reason) for i, c in zip(picked, lengths, strict=True)],
+            sub.compute_dtype)
+        part_lease = dataclasses.replace(lease, group_size=len(picked), seeds=tuple(lease.seeds[i] for i in picked))
+        trusted = prompt.complete([[int(t) for t in s.token_ids] for s in part.samples], keep_cache=True)
+        rejection, _ = judge_group(part_lease, part, trusted, tol, thresholds, sample_ids=picked)
+        if rejection is None:
+            return None
+        return Rejection(rejection.reason, f"quick check of the first {CHUNK_SIZE} tokens: {rejection.detail}")

@@ -5,9 +5,11 @@ from veriroll.toploc.proof import (
     MANT_ERR_NO_MATCH,
     REASONS,
     Thresholds,
+    check_layout,
     commit,
     commit_many,
     thresholds_for,
+    truncate,
     verify,
     verify_many,
 )
@@ -20,9 +22,11 @@ __all__ = [
     "ChunkStats",
     "Thresholds",
     "Verdict",
+    "check_layout",
     "commit",
     "commit_many",
     "thresholds_for",
+    "truncate",
     "verify",
     "verify_many",
 ]

@@ -30,7 +30,10 @@ Wire format (big-endian), self-describing so that a proof can be checked without
 The number of chunks is ``ceil(T / chunk_size)`` and each chunk's ``k`` follows from the header, so the
 layout is fully determined by it: 16 + 258 bytes per chunk of 32 tokens with top-128.
 
-``verify`` turns any input into a :class:`Verdict`; it never raises. ``commit_many`` and ``verify_many``
+``verify`` turns any input into a :class:`Verdict`; it never raises. ``check_layout`` runs the part of it
+that needs no hidden states (a parse of the bytes), and ``truncate`` cuts a proof after its first chunks,
+which is a proof of those positions alone: a verifier can refuse a malformed proof before any forward
+pass, and check the first chunk on a short prefill before the whole one. ``commit_many`` and ``verify_many``
 do the same for a whole group with one vectorized pass over the field arithmetic of all its chunks.
 """
 
@@ -478,14 +481,48 @@ def _evaluate_parsed(parsed: dict[int, _Parsed]) -> dict[int, Verdict]:
     return out
 
 
-def _parse(proof, hidden, chunk_size: int, topk: int, thresholds: Thresholds | None) -> Verdict | _Parsed:
-    """Every check that needs no polynomial, then the verifier's own top-k; a Verdict if one fails."""
+def check_layout(proof, positions: int, hidden_size: int, *, chunk_size: int = 32, topk: int = 128) -> Verdict:
+    """Every check of :func:`verify` that needs no hidden states, for a proof of ``positions`` generated
+    positions of hidden size ``hidden_size``: header, parameters, length, moduli, coefficients.
+
+    It costs a parse of the bytes, so the verifier runs it on every sample before any forward pass: a
+    proof refused here is refused by :func:`verify` with the same reason, whatever the hidden states.
+    """
+    try:
+        result = _layout(proof, positions, hidden_size, chunk_size, topk)
+    except Exception as exc:  # a verdict, never a crash
+        result = _reject("verification_error", f"{type(exc).__name__}: {exc}")
+    return result if isinstance(result, Verdict) else Verdict(True)
+
+
+def truncate(proof: bytes, positions: int) -> bytes:
+    """The proof of the first ``positions`` positions, cut out of a proof of more.
+
+    Every chunk is committed on its own (its own top-k, modulus and polynomial), so the first chunks of
+    a proof are exactly what :func:`commit` gives for those positions alone: ``positions`` must end on
+    a chunk boundary or be the proof's own length. Raises ``ValueError`` on a proof whose layout is
+    not well formed (check it with :func:`check_layout` first) or on such a cut.
+    """
+    if len(proof) < HEADER_SIZE:
+        raise ValueError(f"{len(proof)} bytes is shorter than the {HEADER_SIZE}-byte header")
+    magic, version, dtype, chunk_size, topk, t, h = _HEADER.unpack_from(proof)
+    if not 0 < positions <= t or (positions != t and positions % chunk_size):
+        raise ValueError(f"cannot cut a proof of {t} positions (chunks of {chunk_size}) after {positions}")
+    if positions == t:
+        return bytes(proof)
+    body = (positions // chunk_size) * (2 + 2 * min(topk, chunk_size * h))
+    if len(proof) < HEADER_SIZE + body:
+        raise ValueError(f"proof is {len(proof)} bytes, too short for {positions} positions")
+    header = _HEADER.pack(magic, version, dtype, chunk_size, topk, positions, h)
+    return header + bytes(proof[HEADER_SIZE : HEADER_SIZE + body])
+
+
+def _layout(proof, t: int, h: int, chunk_size: int, topk: int) -> Verdict | list[tuple]:
+    """The proof's chunks as ``(start, n, rows, k, moduli [n, 1], coef [n, k])`` batches, or a Verdict
+    naming the first thing about its bytes that does not fit ``t`` positions of hidden size ``h``."""
     if not isinstance(proof, (bytes, bytearray, memoryview)):
         return _reject("malformed_proof", f"proof must be bytes, got {type(proof).__name__}")
     proof = bytes(proof)
-    if not isinstance(hidden, torch.Tensor) or hidden.dim() != 2 or not hidden.is_floating_point():
-        shape = tuple(hidden.shape) if isinstance(hidden, torch.Tensor) else type(hidden).__name__
-        return _reject("shape_mismatch", f"trusted hidden states must be a 2-D float tensor, got {shape}")
     if len(proof) < HEADER_SIZE:
         return _reject("malformed_proof", f"{len(proof)} bytes is shorter than the {HEADER_SIZE}-byte header")
     magic, version, dtype, p_chunk, p_topk, p_t, p_h = _HEADER.unpack_from(proof)
@@ -498,7 +535,6 @@ def _parse(proof, hidden, chunk_size: int, topk: int, thresholds: Thresholds | N
             "parameter_mismatch",
             f"proof built with chunk_size {p_chunk}, topk {p_topk}; required {chunk_size}, {topk}",
         )
-    t, h = hidden.shape
     if p_h != h or h < 1:
         return _reject("shape_mismatch", f"proof commits to hidden size {p_h}, trusted states have {h}")
     if p_t != t:
@@ -517,11 +553,7 @@ def _parse(proof, hidden, chunk_size: int, topk: int, thresholds: Thresholds | N
                 "chunk_count_mismatch", f"proof body holds {extra // full_record:+d} chunks too many"
             )
         return _reject("malformed_proof", f"proof is {len(proof)} bytes, its header implies {expected}")
-    if not bool(torch.isfinite(hidden).all()):
-        return _reject("non_finite_hidden", "trusted hidden states contain NaN or infinity")
-
-    hidden = hidden.detach()
-    groups = []
+    batches = []
     offset, first = HEADER_SIZE, 0
     for start, n, rows, k in layout:
         body = np.frombuffer(proof, dtype=">u2", count=n * (k + 1), offset=offset).astype(np.int64)
@@ -538,8 +570,28 @@ def _parse(proof, hidden, chunk_size: int, topk: int, thresholds: Thresholds | N
             return _reject(
                 "malformed_proof", f"a coefficient in chunks {first}..{first + n - 1} is not below {P}"
             )
+        batches.append((start, n, rows, k, moduli, coef))
+        first += n
+    return batches
+
+
+def _parse(proof, hidden, chunk_size: int, topk: int, thresholds: Thresholds | None) -> Verdict | _Parsed:
+    """Every check that needs no polynomial, then the verifier's own top-k; a Verdict if one fails."""
+    if not isinstance(proof, (bytes, bytearray, memoryview)):
+        return _reject("malformed_proof", f"proof must be bytes, got {type(proof).__name__}")
+    if not isinstance(hidden, torch.Tensor) or hidden.dim() != 2 or not hidden.is_floating_point():
+        shape = tuple(hidden.shape) if isinstance(hidden, torch.Tensor) else type(hidden).__name__
+        return _reject("shape_mismatch", f"trusted hidden states must be a 2-D float tensor, got {shape}")
+    t, h = hidden.shape
+    batches = _layout(proof, t, h, chunk_size, topk)
+    if isinstance(batches, Verdict):
+        return batches
+    if not bool(torch.isfinite(hidden).all()):
+        return _reject("non_finite_hidden", "trusted hidden states contain NaN or infinity")
+    hidden = hidden.detach()
+    groups = []
+    for start, n, rows, k, moduli, coef in batches:
         idx, own = _topk(hidden, start, n, rows, k)
         groups.append((k, coef, idx % moduli, own))  # the reduction the public Python verifier forgot
-        first += n
     th = thresholds if thresholds is not None else thresholds_for(hidden.dtype)
     return _Parsed(th, groups)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import random
 import threading
 
 import numpy as np
@@ -18,7 +19,7 @@ from veriroll.coordinator import store as st
 from veriroll.coordinator.config import CoordinatorConfig
 from veriroll.coordinator.intake import LeaseRecord, Submission, SubmittedSample
 from veriroll.coordinator.policy import PolicyStore
-from veriroll.coordinator.verifier import TOLERANCES_FP32, TrustedVerifier, prefill_group
+from veriroll.coordinator.verifier import TOLERANCES_FP32, Stage, TrustedVerifier, prefill_group
 from veriroll.node.engines.base import GenerationRequest
 from veriroll.node.engines.torch import TorchEngine
 from veriroll.protos.reasons import Reason
@@ -169,7 +170,7 @@ def test_bad_input_is_a_rejection_never_an_exception(store):
     assert verdict(tampered(token_ids=np.full(10, VOCAB))) is Reason.TOKEN_OUT_OF_VOCAB
     assert verdict(tampered(token_ids=np.full(10, -1))) is Reason.TOKEN_OUT_OF_VOCAB
     assert verdict(tampered(logprobs=np.zeros(3, np.float32))) is Reason.BAD_LOGPROBS
-    assert verdict(tampered(logprobs=np.full(10, np.nan, np.float32))) is Reason.LOGPROB_MISMATCH
+    assert verdict(tampered(logprobs=np.full(10, np.nan, np.float32))) is Reason.BAD_LOGPROBS
     for junk in (b"", b"TL", b"\x00" * 300, results[0].proof[:-2], results[0].proof + b"xx", None):
         assert verdict(tampered(proof=junk)) is Reason.TOPLOC_FAILED
     assert verdict(submission(results, 3), prompt=[]) is Reason.INTERNAL
@@ -215,7 +216,8 @@ def test_over_grpc_honest_group_is_stored_with_trusted_logprobs_and_a_forged_one
             attacked.samples[0].proof, attacked.samples[1].proof = attacked.samples[1].proof, attacked.samples[0].proof
             with pytest.raises(CallError) as info:
                 await stub.submit_group(attacked)
-            assert info.value.reason == "toploc_failed" and "sample 0" in str(info.value)
+            # the quick stage checks one of the four at random: either swapped sample is named
+            assert info.value.reason == "toploc_failed" and ("sample 0:" in str(info.value) or "sample 1:" in str(info.value))
 
             def read(conn):
                 rows = conn.execute("SELECT s.logprobs, s.trusted_logprobs FROM samples s JOIN groups g USING(group_id) "
@@ -270,3 +272,171 @@ def test_intake_accepts_only_the_configured_precisions():
     odd = check_dtype(dataclasses.replace(sub, compute_dtype="int4" * 100), ["float32"])
     assert odd.reason == Reason.DTYPE_NOT_ACCEPTED and len(odd.detail) < 120  # a hostile string is cut
     assert Submission.from_proto(pb.SubmitGroupRequest(lease_id="L")).compute_dtype == "float32"  # old nodes
+
+
+# --------------------------------------------------------------------------------------------------
+# Cheap before expensive: checks without a forward pass, then the quick stage, then the full prefill.
+
+HIDDEN = 64  # build_tiny_checkpoint's hidden size
+
+
+def garbage_proof(rng: np.random.Generator, t: int, hidden: int = HIDDEN) -> bytes:
+    """A proof whose layout is right for ``t`` positions (header, length, moduli and coefficients in
+    range) and whose polynomials are random: what an attacker sends without running any model."""
+    from veriroll.toploc.proof import _HEADER, DTYPE_BF16, FORMAT_VERSION, MAGIC, P
+
+    chunks = [min(32, t - start) for start in range(0, t, 32)]
+    body = b"".join(np.array([rng.integers(128, P + 1), *rng.integers(0, P, 128)], dtype=">u2").tobytes()
+                    for _ in chunks)
+    return _HEADER.pack(MAGIC, FORMAT_VERSION, DTYPE_BF16, 32, 128, t, hidden) + body
+
+
+def garbage_group(req: GenerationRequest, seed: int = 0) -> Submission:
+    """A whole group that passes every check without a forward pass: tokens, log-probs and proofs random."""
+    rng = np.random.default_rng(seed)
+    samples = []
+    for _ in range(req.n):
+        t = req.max_new_tokens
+        samples.append(SubmittedSample(rng.integers(4, VOCAB, t), -rng.random(t).astype(np.float32),
+                                       garbage_proof(rng, t), "length"))
+    return Submission("L", 3, samples)
+
+
+class ForwardCounter:
+    """Counts the forward passes of a model (a pre-hook on the whole model)."""
+
+    def __init__(self, model):
+        self.calls = 0
+        model.register_forward_pre_hook(self._count)
+
+    def _count(self, *_):
+        self.calls += 1
+
+
+@pytest.fixture
+def v3(store):
+    """A verifier of version 3 whose forward passes are counted, an engine of it, and a long request."""
+    verifier = TrustedVerifier(store, config(s_max=3), rng=random.Random(0))
+    counter = ForwardCounter(verifier.model_for(3))
+    return verifier, counter, TorchEngine(store.version_dir(3), 3), request(6, 21, max_new=70, stop=())
+
+
+def test_garbage_is_refused_by_the_quick_stage_after_one_short_prefill(v3):
+    verifier, counter, _, req = v3
+    out = verifier.verify_group(lease_for(req, 3), req.prompt_ids, garbage_group(req))
+    assert out.rejection.reason is Reason.TOPLOC_FAILED and out.rejection.reason.strike
+    assert out.stage is Stage.QUICK and "quick check of the first 32 tokens" in out.rejection.detail
+    assert counter.calls == 2  # the prompt, then 31 tokens of one sample: never the group's 4 x 70
+    assert 0 < out.quick_seconds <= out.seconds and out.trusted_logprobs is None
+
+
+def test_malformed_proofs_and_bad_finish_are_refused_without_any_forward_pass(v3):
+    verifier, counter, engine, req = v3
+    results = engine.generate([req])[0]
+    lease = lease_for(req, 3)
+    cases = {
+        Reason.TOPLOC_FAILED: [("proof", results[0].proof[:-2]),  # short by one coefficient
+                               ("proof", garbage_proof(np.random.default_rng(0), 70, hidden=32)),  # another model
+                               ("proof", garbage_proof(np.random.default_rng(0), 64))],  # another length
+        Reason.BAD_FINISH: [("finish_reason", "stop")],  # it does not end on a stop token
+        Reason.BAD_LOGPROBS: [("logprobs", np.full(70, 0.5, np.float32))],  # a probability above 1
+    }
+    for reason, changes in cases.items():
+        for field, value in changes:
+            sub = submission(results, 3)
+            setattr(sub.samples[2], field, value)
+            out = verifier.verify_group(lease, req.prompt_ids, sub)
+            assert out.rejection.reason is reason and out.stage is Stage.CHECKS, (field, out.rejection)
+            assert "sample 2" in out.rejection.detail
+    assert counter.calls == 0
+    assert verifier.verify_group(lease, req.prompt_ids, submission(results, 3)).rejection is None
+
+
+def test_a_proof_honest_in_its_first_chunk_and_forged_later_passes_the_quick_stage_and_is_caught_in_full(v3):
+    from veriroll.toploc import commit_many
+
+    verifier, _, engine, req = v3
+    results = engine.generate([req])[0]
+    lease = lease_for(req, 3)
+    # chunk 1 (tokens 32..63) of every sample replaced by the same chunk of another sample's proof
+    record = 2 + 2 * 128
+    forged = submission(results, 3)
+    for i, s in enumerate(forged.samples):
+        other = results[(i + 1) % req.n].proof
+        s.proof = s.proof[: 16 + record] + other[16 + record : 16 + 2 * record] + s.proof[16 + 2 * record :]
+    out = verifier.verify_group(lease, req.prompt_ids, forged)
+    assert out.rejection.reason is Reason.TOPLOC_FAILED and "chunk 1" in out.rejection.detail
+    assert out.stage is Stage.FULL and out.quick_seconds > 0
+    # tokens from 32 on chosen by the node, hidden states recomputed honestly for them: sampling catches it
+    fabricated = submission(results, 3)
+    trusted = prefill_group(verifier.model_for(3), req.prompt_ids,
+                            [np.concatenate([r.token_ids[:32], np.full(38, 7)]).tolist() for r in results])
+    proofs = commit_many(trusted.hidden)
+    for s, proof in zip(fabricated.samples, proofs, strict=True):
+        s.token_ids, s.proof = np.concatenate([s.token_ids[:32], np.full(38, 7)]), proof
+    out = verifier.verify_group(lease, req.prompt_ids, fabricated)
+    assert out.rejection.reason is Reason.SAMPLING_FAILED and out.stage is Stage.FULL
+
+
+def test_one_garbage_sample_is_refused_by_the_quick_stage_when_drawn_and_by_the_full_one_otherwise(store):
+    engine = TorchEngine(store.version_dir(3), 3)
+    req = request(6, 22, max_new=40, stop=())
+    results = engine.generate([req])[0]
+    sub = submission(results, 3)
+    sub.samples[2] = garbage_group(req).samples[2]
+    stages = set()
+    for seed in range(8):
+        verifier = TrustedVerifier(store, config(s_max=3), rng=random.Random(seed))
+        out = verifier.verify_group(lease_for(req, 3), req.prompt_ids, sub)
+        assert out.rejection.reason is Reason.TOPLOC_FAILED and out.rejection.detail.count("sample 2") == 1
+        stages.add(out.stage)
+    assert stages == {Stage.QUICK, Stage.FULL}
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_honest_groups_pass_the_quick_stage_on_every_sample_with_the_same_trusted_logprobs(store, dtype):
+    """Zero false rejections with every sample's first chunk quick-checked, and the full stage's
+    numbers are bit for bit those without a quick stage (they share the prompt's forward)."""
+    quick = TrustedVerifier(store, config(model_dtype=dtype), rng=random.Random(1))
+    quick.cfg.intake.quick_check_samples = 16
+    plain = TrustedVerifier(store, config(model_dtype=dtype))
+    plain.cfg.intake.quick_check_samples = 0
+    engine = TorchEngine(store.version_dir(0), 0, dtype=dtype)
+    groups = honest_groups(engine) + [(r, engine.generate([r])[0]) for r in (request(7, 23, max_new=70, stop=()),)]
+    ran_quick = 0
+    for req, results in groups:
+        with_quick = quick.verify_group(lease_for(req), req.prompt_ids, submission(results))
+        without = plain.verify_group(lease_for(req), req.prompt_ids, submission(results))
+        assert with_quick.rejection is None and without.rejection is None, with_quick.rejection
+        assert with_quick.stage is Stage.FULL and without.quick_seconds == 0
+        ran_quick += with_quick.quick_seconds > 0
+        for a, b in zip(with_quick.trusted_logprobs, without.trusted_logprobs, strict=True):
+            assert np.array_equal(a, b)
+    assert ran_quick == 1  # the 70-token group; on shorter ones every first chunk is most of the group
+
+
+def test_the_quick_stage_is_skipped_where_it_would_cover_most_of_the_group(store):
+    verifier = TrustedVerifier(store, config(s_max=3), rng=random.Random(0))
+    counter = ForwardCounter(verifier.model_for(3))
+    req = request(5, 24, n=1, max_new=60, stop=())  # one sample: its first chunk (31 positions) is over half of it
+    out = verifier.verify_group(lease_for(req, 3), req.prompt_ids, garbage_group(req))
+    assert out.rejection.reason is Reason.TOPLOC_FAILED and out.stage is Stage.FULL and out.quick_seconds == 0
+    assert counter.calls == 2  # the prompt, then the whole sample
+
+
+def test_the_first_chunks_of_a_proof_are_the_proof_of_those_positions():
+    """What makes the quick stage's TOPLOC check the full one's on its first chunk."""
+    from veriroll.toploc import check_layout, commit, truncate
+
+    hidden = torch.randn(70, HIDDEN)
+    proof = commit(hidden)
+    assert truncate(proof, 32) == commit(hidden[:32]) and truncate(proof, 64) == commit(hidden[:64])
+    assert truncate(proof, 70) == proof
+    for bad in (0, 33, 71):
+        with pytest.raises(ValueError):
+            truncate(proof, bad)
+    assert check_layout(proof, 70, HIDDEN).ok
+    assert check_layout(proof, 69, HIDDEN).reason == "length_mismatch"
+    assert check_layout(proof, 70, 32).reason == "shape_mismatch"
+    assert check_layout(proof + b"\x00", 70, HIDDEN).reason == "malformed_proof"
+    assert check_layout(None, 70, HIDDEN).reason == "malformed_proof"

@@ -1,0 +1,132 @@
+"""The verifier budget: seconds per minute per node key, address and /24 or /64, on an injected clock."""
+
+from __future__ import annotations
+
+import pytest
+
+from veriroll.coordinator.config import CoordinatorConfig
+from veriroll.coordinator.verify_budget import VerifierBudget, network_prefix
+from veriroll.protos.reasons import Reason
+
+
+class Clock:
+    def __init__(self):
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def budget(identity=10.0, address=0.0, prefix=0.0, **kw) -> tuple[VerifierBudget, Clock]:
+    clock = Clock()
+    return VerifierBudget(identity, address, prefix, clock=clock, **kw), clock
+
+
+def test_a_fresh_key_has_one_minutes_allowance_and_is_refused_once_it_is_spent():
+    b, _ = budget(identity=10.0)
+    assert b.reserve("k", "10.0.0.1") is None
+    b.charge("k", "10.0.0.1", 6.0)
+    assert b.reserve("k", "10.0.0.1") is None  # 4 s left
+    b.charge("k", "10.0.0.1", 6.0)  # one verification may overdraw: 2 s of debt
+    refused = b.reserve("k", "10.0.0.1")
+    assert refused.reason is Reason.RATE_LIMITED and not refused.reason.strike
+    assert "node key" in refused.detail and "10 s of verifier time per minute" in refused.detail
+    assert "retry in 12 s" in refused.detail  # 2 s of debt at 10 s per minute
+    assert b.reserve("other", "10.0.0.1") is None  # another key is not touched
+
+
+def test_debt_is_repaid_by_refill_before_the_key_is_verified_again():
+    b, clock = budget(identity=6.0)  # 0.1 s per second
+    b.charge("k", "a", 9.0)  # -3 s
+    clock.now += 29.0
+    assert b.reserve("k", "a") is not None  # -0.1 s
+    clock.now += 2.0
+    assert b.reserve("k", "a") is None
+    clock.now += 3600.0
+    b.charge("k", "a", 6.0)  # refill stops at one minute's allowance: a long idle spell is no bigger burst
+    assert b.reserve("k", "a") is not None
+
+
+def test_over_any_minute_a_busy_key_uses_at_most_its_allowance_plus_one_burst():
+    b, clock = budget(identity=12.0)
+    used, cost = 0.0, 0.25
+    for _ in range(6000):  # a try every 50 ms for 5 minutes
+        if b.reserve("k", "a") is None:
+            b.charge("k", "a", cost)
+            used += cost
+        clock.now += 0.05
+    assert 5 * 12.0 <= used <= 6 * 12.0 + cost
+
+
+def test_many_keys_from_one_address_share_its_allowance():
+    b, _ = budget(identity=10.0, address=15.0)
+    for i in range(3):
+        assert b.reserve(f"k{i}", "192.0.2.7") is None
+        b.charge(f"k{i}", "192.0.2.7", 5.0)
+    refused = b.reserve("k-new", "192.0.2.7")  # a fresh key, but its address is used up
+    assert refused.reason is Reason.RATE_LIMITED and "address (192.0.2.7)" in refused.detail
+    assert b.reserve("k-new", "192.0.2.8") is None
+
+
+def test_addresses_of_one_prefix_share_its_allowance_in_ipv4_and_ipv6():
+    b, _ = budget(identity=0.0, address=10.0, prefix=20.0)
+    for host in range(1, 5):
+        b.charge(f"k{host}", f"198.51.100.{host}", 5.0)
+    refused = b.reserve("k9", "198.51.100.200")
+    assert refused.reason is Reason.RATE_LIMITED and "network (198.51.100.0/24)" in refused.detail
+    assert b.reserve("k9", "198.51.101.1") is None  # the next /24
+    for host in range(1, 5):
+        b.charge(f"v{host}", f"2001:db8:1:2::{host}", 5.0)
+    assert "2001:db8:1:2::/64" in b.reserve("v9", "2001:db8:1:2:ffff::1").detail
+    assert b.reserve("v9", "2001:db8:1:3::1") is None
+
+
+def test_network_prefix():
+    assert network_prefix("203.0.113.77") == "203.0.113.0/24"
+    assert network_prefix("::ffff:203.0.113.77") == "203.0.113.0/24"  # IPv4-mapped: the same /24
+    assert network_prefix("2001:db8:aa:bb:cc::1") == "2001:db8:aa:bb::/64"
+    assert network_prefix("unknown") == "unknown"
+    assert network_prefix("") == ""
+
+
+def test_zero_means_no_limit_for_that_scope():
+    b, _ = budget(identity=0.0, address=0.0, prefix=0.0)
+    b.charge("k", "a", 1e9)
+    assert b.reserve("k", "a") is None and b.tracked() == {}
+
+
+def test_nothing_spent_or_a_broken_timer_is_not_charged():
+    b, _ = budget(identity=1.0)
+    for seconds in (0.0, -5.0, float("nan")):
+        b.charge("k", "a", seconds)
+    assert b.reserve("k", "a") is None and b.tracked() == {"node key": 0}
+
+
+def test_memory_is_bounded_and_the_least_recently_used_bucket_goes_first():
+    b, clock = budget(identity=1.0, address=1.0, max_keys=100)
+    b.charge("old", "10.9.9.9", 5.0)
+    for i in range(1000):
+        clock.now += 0.001
+        b.charge(f"k{i}", f"10.0.{i // 256}.{i % 256}", 0.01)
+    assert b.tracked() == {"node key": 100, "address": 100}
+    assert b.reserve("k999", "10.0.3.231") is None
+    # "old" was evicted: a new bucket (the price of bounded memory; the prefix scope keeps churn in check)
+    assert b.reserve("old", "10.9.9.9") is None
+
+
+@pytest.mark.parametrize("bad", [-1.0, float("nan"), float("inf")])
+def test_a_negative_or_non_finite_allowance_is_a_configuration_error(bad):
+    with pytest.raises(ValueError, match="per_address"):
+        VerifierBudget(1.0, bad, 1.0)
+
+
+def test_built_from_the_intake_config():
+    cfg = CoordinatorConfig()
+    cfg.intake.verify_seconds_per_minute_per_identity = 2.0
+    cfg.intake.verify_seconds_per_minute_per_prefix = 0.0
+    clock = Clock()
+    b = VerifierBudget.from_config(cfg.intake, clock=clock)
+    b.charge("k", "10.0.0.1", 3.0)
+    assert b.reserve("k", "10.0.0.1").reason is Reason.RATE_LIMITED
+    assert b.reserve("k2", "10.0.0.1") is None  # the address still has most of its 60 s
+    assert set(b.tracked()) == {"node key", "address"}
