@@ -246,6 +246,11 @@ def sample_blobs(sub: Submission) -> list[tuple[bytes, bytes, bytes | None, str]
     return [(st.pack_i32(s.token_ids), st.pack_f32(s.logprobs), None, s.finish_reason) for s in sub.samples]
 
 
+# Refusals that leave the lease as it was: not this node's or already closed, or (rate_limited: the
+# verifier budget) not judged at all, so the node may submit the same group again while the lease lasts.
+_KEEPS_THE_LEASE = frozenset({Reason.LEASE_EXPIRED, Reason.LEASE_USED, Reason.LEASE_UNKNOWN, Reason.RATE_LIMITED})
+
+
 class Intake:
     """SubmitGroup: checks, verification, rewards, then one store transaction for the verdict.
 
@@ -256,7 +261,7 @@ class Intake:
 
     def __init__(self, cfg: CoordinatorConfig, db: st.Database, *, ledger: Ledger, policy: PolicyState,
                  metrics: CoordinatorMetrics, clock, vocab_size: int, rewards, codec, stop_token_ids: list[int],
-                 verifier: GroupVerifier | None = None):
+                 verifier: GroupVerifier | None = None, verify_budget=None):
         self.cfg = cfg
         self.db = db
         self.ledger = ledger
@@ -267,11 +272,13 @@ class Intake:
         self.rewards = rewards
         self.codec = codec
         self.verifier = verifier
+        self.verify_budget = verify_budget  # a VerifierBudget, or None: verifier time unbounded
         self._stop_ids = np.asarray(stop_token_ids, dtype=np.int64)
         self._audit_rng = random.Random()
         self._verify_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="veriroll-verify")
 
-    async def submit_group(self, node: NodeInfo, req: pb.SubmitGroupRequest) -> pb.SubmitGroupResponse:
+    async def submit_group(self, node: NodeInfo, req: pb.SubmitGroupRequest, *,
+                           peer: str = "unknown") -> pb.SubmitGroupResponse:
         now = self.clock()
         sub = Submission.from_proto(req)
         digest = content_hash(sub)
@@ -285,10 +292,14 @@ class Intake:
             return await self._accepted_response(prior["group_id"])
         verified = False
         if rejection is None and self.verifier is not None and self._should_audit(node):
-            rejection, trusted = await self._verify(lease, prompt, sub)
-            verified = rejection is None
-            if trusted is not None:
-                packed = [(tok, lp, st.pack_f32(t), fin) for (tok, lp, _, fin), t in zip(packed, trusted, strict=True)]
+            # The only stage that runs the model: only for a group that passed every cheap check, and only
+            # while its key, address and network have verifier time left this minute.
+            rejection = self.verify_budget.reserve(node.node_id, peer) if self.verify_budget is not None else None
+            if rejection is None:
+                rejection, trusted = await self._verify(lease, prompt, sub, node, peer)
+                verified = rejection is None
+                if trusted is not None:
+                    packed = [(tok, lp, st.pack_f32(t), fin) for (tok, lp, _, fin), t in zip(packed, trusted, strict=True)]
         if rejection is not None:
             await self._reject(node, lease, rejection)
         rewards = await self.score(prompt, sub)
@@ -308,18 +319,21 @@ class Intake:
         self.metrics.accepted_tokens.inc(sub.num_tokens)
         return pb.SubmitGroupResponse(accepted=True, rewards=rewards, credited_tokens=sub.num_tokens, group_id=str(group_id))
 
-    async def _verify(self, lease: LeaseRecord, prompt: dict, sub: Submission) -> tuple[Rejection | None, list | None]:
+    async def _verify(self, lease: LeaseRecord, prompt: dict, sub: Submission, node: NodeInfo,
+                      peer: str) -> tuple[Rejection | None, list | None]:
         prompt_ids = st.unpack_i32(prompt["prompt_ids"]).tolist()
         result = await asyncio.get_running_loop().run_in_executor(
             self._verify_pool, self.verifier.verify_group, lease, prompt_ids, sub)
         self.metrics.verify_latency.observe(result.seconds)
+        if self.verify_budget is not None:
+            self.verify_budget.charge(node.node_id, peer, result.seconds)
         return result.rejection, result.trusted_logprobs
 
     async def _reject(self, node: NodeInfo, lease: LeaseRecord | None, rejection: Rejection) -> None:
         """Record the refusal with its lease and raise it, counted. A lease that was legitimately this
         node's and failed a content check is spent; its prompt goes back to the pool for someone else."""
         spend = lease is not None and lease.node_id == node.node_id and lease.state == st.LeaseState.OPEN and \
-            rejection.reason not in (Reason.LEASE_EXPIRED, Reason.LEASE_USED, Reason.LEASE_UNKNOWN)
+            rejection.reason not in _KEEPS_THE_LEASE
         also = (lambda conn: st.spend_lease(conn, lease.lease_id, lease.prompt_id)) if spend else None
         await self.ledger.refuse(node.node_id, rejection.reason, rejection.detail, lease.lease_id if lease else "", also)
         raise Refusal(rejection.reason, rejection.detail, counted=True)

@@ -60,7 +60,8 @@ class LeaseBudget:
 
 class LeaseDesk:
     def __init__(self, cfg: CoordinatorConfig, db: st.Database, *, environment, renderer: PromptRenderer,
-                 policy: PolicyState, metrics: CoordinatorMetrics, clock: Callable[[], int], stop_token_ids: list[int]):
+                 policy: PolicyState, metrics: CoordinatorMetrics, clock: Callable[[], int], stop_token_ids: list[int],
+                 verify_budget=None):
         self.cfg = cfg
         self.db = db
         self.env = environment
@@ -69,6 +70,7 @@ class LeaseDesk:
         self.metrics = metrics
         self.clock = clock
         self.stop_token_ids = list(stop_token_ids)
+        self.verify_budget = verify_budget
         self._budgets: OrderedDict[str, LeaseBudget] = OrderedDict()
         drawn = db.run_sync(st.prompts_drawn)
         # The prompt stream resumes where it stopped: its state is the seed and the number of draws.
@@ -92,7 +94,7 @@ class LeaseDesk:
         self._budgets.move_to_end(node_id)
         return bucket
 
-    async def lease_work(self, node: NodeInfo, req: pb.LeaseRequest) -> pb.LeaseResponse:
+    async def lease_work(self, node: NodeInfo, req: pb.LeaseRequest, *, peer: str = "unknown") -> pb.LeaseResponse:
         lc = self.cfg.leases
         now = self.clock()
         version = self.policy.version
@@ -104,6 +106,11 @@ class LeaseDesk:
         probation = node.standing == st.Standing.PROBATION
         max_open = lc.probation_max_open if probation else lc.max_open_per_node
         wanted = max(1, min(int(req.max_leases or 1), max_open))
+        if probation and self.verify_budget is not None:
+            # Every group of a probation node is verified: no work while its verifier time is used up.
+            spent = self.verify_budget.reserve(node.node_id, peer)
+            if spent is not None:
+                return pb.LeaseResponse(retry_after_ms=5000, wait_reason="verify_budget")
         budget = self._budget(node.node_id) if probation else None
         if budget is not None:
             wanted = min(wanted, int(budget.available()))

@@ -15,10 +15,8 @@ import random
 import sqlite3
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 from google.protobuf.message import DecodeError
 
 from veriroll.coordinator import store as st
@@ -29,7 +27,6 @@ from veriroll.coordinator.intake import (
     MESSAGES_META_KEY,
     GroupVerifier,
     Intake,
-    Rejection,
     Submission,
     sample_blobs,
 )
@@ -39,6 +36,7 @@ from veriroll.coordinator.metrics import CoordinatorMetrics
 from veriroll.coordinator.policy import PolicyState
 from veriroll.coordinator.prompts import PromptRenderer
 from veriroll.coordinator.rewards import RewardRunner
+from veriroll.coordinator.verify_budget import VerifierBudget
 from veriroll.protos.envelope import EnvelopeError, SignedHeaders, parse_headers
 from veriroll.protos.identity import PublicKey, public_key_problem
 from veriroll.protos.reasons import Reason
@@ -48,14 +46,7 @@ from veriroll.protos.v1 import coordinator_pb2 as pb
 log = logging.getLogger("veriroll.coordinator")
 
 __all__ = ["CoordinatorService", "GroupVerifier", "MESSAGES_META_KEY", "NodeInfo", "PolicyState", "Refusal",
-           "TextCodec", "VerificationResult", "encode_prompt", "now_ms", "random_seeds", "sample_blobs"]
-
-
-@dataclass
-class VerificationResult:
-    rejection: Rejection | None
-    trusted_logprobs: list[np.ndarray] | None = None
-    seconds: float = 0.0
+           "TextCodec", "encode_prompt", "now_ms", "random_seeds", "sample_blobs"]
 
 
 def now_ms() -> int:
@@ -104,11 +95,15 @@ class CoordinatorService:
         self.door = Door(cfg, self.ledger, now)
         self.new_identities = NewIdentityLimiter.from_config(cfg.identity)
         self._log_identity_policy()
+        # Verifier time per node key, address and network: shared by the lease desk (no work for a node
+        # whose groups could not be verified now) and the intake (which pays what verification cost).
+        self.verify_budget = VerifierBudget.from_config(cfg.intake) if verifier is not None else None
         self.leases = LeaseDesk(cfg, db, environment=environment, renderer=self.renderer, policy=policy,
-                                metrics=self.metrics, clock=now, stop_token_ids=self.stop_token_ids)
+                                metrics=self.metrics, clock=now, stop_token_ids=self.stop_token_ids,
+                                verify_budget=self.verify_budget)
         self.intake = Intake(cfg, db, ledger=self.ledger, policy=policy, metrics=self.metrics, clock=now,
                              vocab_size=vocab_size, rewards=self.rewards, codec=self.codec,
-                             stop_token_ids=self.stop_token_ids, verifier=verifier)
+                             stop_token_ids=self.stop_token_ids, verifier=verifier, verify_budget=self.verify_budget)
         self._handlers = {  # Register, which needs the headers too, is served by register()
             "Heartbeat": self.heartbeat, "LeaseWork": self.lease_work,
             "SubmitGroup": self.submit_group, "GetPolicy": self.get_policy, "GetLedger": self.get_ledger,
@@ -140,6 +135,8 @@ class CoordinatorService:
                 raise Refusal(Reason.MALFORMED, f"cannot parse {request_type.__name__}: {exc}") from exc
             if name == "Register":
                 response = await self.register(headers, request, node=node, peer=peer)
+            elif name in ("LeaseWork", "SubmitGroup"):
+                response = await self._handlers[name](node, request, peer=peer)
             else:
                 response = await self._handlers[name](node, request)
             self.metrics.requests.inc(method=name, result="ok")
@@ -224,11 +221,12 @@ class CoordinatorService:
 
     # --- LeaseWork / SubmitGroup ---------------------------------------------------------------------
 
-    async def lease_work(self, node: NodeInfo, req: pb.LeaseRequest) -> pb.LeaseResponse:
-        return await self.leases.lease_work(node, req)
+    async def lease_work(self, node: NodeInfo, req: pb.LeaseRequest, *, peer: str = "unknown") -> pb.LeaseResponse:
+        return await self.leases.lease_work(node, req, peer=peer)
 
-    async def submit_group(self, node: NodeInfo, req: pb.SubmitGroupRequest) -> pb.SubmitGroupResponse:
-        return await self.intake.submit_group(node, req)
+    async def submit_group(self, node: NodeInfo, req: pb.SubmitGroupRequest, *,
+                           peer: str = "unknown") -> pb.SubmitGroupResponse:
+        return await self.intake.submit_group(node, req, peer=peer)
 
     def _score(self, prompt: dict, sub: Submission) -> list[float]:
         """The rewards of a stored prompt's group, blocking (tests and tools re-check stored rewards)."""
