@@ -98,9 +98,6 @@ def body_mutations(rng: random.Random, *, cap: int, flipped: int = 2) -> list[Mu
             return bytes(raw)
         return apply
 
-    def truncated(fraction: float) -> Callable[[Message], bytes]:
-        return lambda msg: msg.SerializeToString()[:int(len(msg.SerializeToString()) * fraction)]
-
     def appended(extra: bytes) -> Callable[[Message], bytes]:
         return lambda msg: msg.SerializeToString() + extra
 
@@ -108,8 +105,8 @@ def body_mutations(rng: random.Random, *, cap: int, flipped: int = 2) -> list[Mu
     return [
         Mutation("body:empty", lambda msg: b""),
         Mutation("body:truncated_to_1_byte", lambda msg: msg.SerializeToString()[:1]),
-        Mutation("body:truncated_half", truncated(0.5)),
-        Mutation("body:truncated_last_byte", truncated(1.0 - 1e-9)),
+        Mutation("body:truncated_half", lambda msg: (raw := msg.SerializeToString())[:len(raw) // 2]),
+        Mutation("body:truncated_last_byte", lambda msg: msg.SerializeToString()[:-1]),
         *[Mutation(f"body:{k}_bits_flipped#{i}", flips(k)) for i in range(flipped) for k in (1, 8)],
         Mutation("body:random_bytes", lambda msg: garbage),
         Mutation("body:sent_twice", lambda msg: msg.SerializeToString() * 2),
@@ -137,9 +134,10 @@ def _field_mutations(field: FieldDescriptor, rng: random.Random, huge: int, hint
         return ([Mutation(f":={label}", _setting(field, value)) for label, value in values]
                 + [Mutation(f":wire={label}", _replacing(field, raw)) for label, raw in wire])
     many = max(1, huge // 10)  # varints are at most 10 bytes: stays under the cap
-    extreme = values[-1][1] if field.type in _INT_RANGES else values[0][1]
+    small = [v for label, v in values if label != "huge"]
+    extreme = dict(values).get("min", dict(values).get("nan", small[0]))  # the longest varint, or NaN
     out = [Mutation(":=[]", _setting(field, [])),
-           Mutation(f":={many}x_random", _setting(field, [v for _, v in (rng.choice(values) for _ in range(many))])),
+           Mutation(f":={many}x_random", _setting(field, [rng.choice(small) for _ in range(many)])),
            Mutation(f":={many}x_extreme", _setting(field, [extreme] * many))]
     out += [Mutation(f":=[{label}]", _setting(field, [value])) for label, value in values]
     out += [Mutation(f":wire=[{label}]", _replacing(field, raw)) for label, raw in wire]

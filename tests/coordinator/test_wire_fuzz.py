@@ -242,9 +242,15 @@ class Outcome:
 class Campaign:
     outcomes: list[Outcome] = field(default_factory=list)
     logged: list[logging.LogRecord] = field(default_factory=list)
-    rss_mb: list[float] = field(default_factory=list)  # after setup, after the warm-up pass, after the last pass
+    rss_mb: list[float] = field(default_factory=list)  # before each pass and after the last
     fds: list[int] = field(default_factory=list)
     honest_after: pb.SubmitGroupResponse | None = None
+
+    def record_footprint(self) -> None:
+        """RSS and open file descriptors of this process, which hosts the coordinator."""
+        gc.collect()
+        self.rss_mb.append(psutil.Process().memory_info().rss / 2**20)
+        self.fds.append(len(os.listdir("/proc/self/fd")))
 
 
 class _Recorder(logging.Handler):
@@ -332,8 +338,17 @@ class FuzzWorld:
         used = await self.honest_group()
         assert (await self.stub(self.submitter).submit_group(used)).accepted
         self._group = None
+        vocab = self.coord.policy_store.vocab_size
+
+        def packed(value: float) -> bytes:
+            return np.full(self.coord.cfg.leases.max_new_tokens, value, "<f4").tobytes()
+
         self.hints = {
             "lease_id": [others[0].lease_id, used.lease_id, "' OR 1=1 --", "0" * 24],
+            "token_ids": [vocab - 1, vocab],
+            # One per token: NaN, +inf and > 0 fail the shape check; finite and <= 0 reaches the verifier.
+            "logprobs": [packed(np.nan), packed(np.inf), packed(0.5), packed(-3.4e38)],
+            "proof": [used.samples[1].proof],  # well-formed, for another sample: the TOPLOC comparison fails
             "compute_dtype": ["float16", "bfloat16", "float64", "FLOAT32"],
             "finish_reason": ["stop", "length", "eos"],
             "engine": ["vllm", "tpu"], "device": ["cuda:7", "mps"],
@@ -414,12 +429,6 @@ class FuzzWorld:
         return outcome
 
 
-def process_footprint() -> tuple[float, int]:
-    """(RSS in MiB, open file descriptors) of this process, which hosts the coordinator."""
-    gc.collect()
-    return psutil.Process().memory_info().rss / 2**20, len(os.listdir("/proc/self/fd"))
-
-
 async def run_campaign(tmp_path, *, seed: int, passes: int, flipped: int) -> Campaign:
     """Start a coordinator, run the cases ``passes`` times (the first is the warm-up for the footprint
     baseline), and record everything."""
@@ -436,15 +445,10 @@ async def run_campaign(tmp_path, *, seed: int, passes: int, flipped: int) -> Cam
                 await world.set_up()
                 cases = campaign_cases(random.Random(seed), world.hints, flipped=flipped)
                 for _ in range(passes):
-                    footprint = process_footprint()
-                    result.rss_mb.append(footprint[0])
-                    result.fds.append(footprint[1])
+                    result.record_footprint()
                     for case in cases:
                         result.outcomes.append(await world.run(case))
-                footprint = process_footprint()
-                result.rss_mb.append(footprint[0])
-                result.fds.append(footprint[1])
-                world._group = None
+                result.record_footprint()
                 result.honest_after = await world.stub(world.submitter).submit_group(await world.honest_group())
             finally:
                 await channel.close()
@@ -528,14 +532,13 @@ def test_every_field_of_every_request_type_is_mutated():
     for name, (request_type, _) in METHODS.items():
         labels = [c.label for c in body_cases(name, rng, {}, flipped=1)]
 
-        def leaf_paths(desc, prefix=""):
+        def field_paths(desc, prefix=""):
             for f in desc.fields:
-                path = prefix + f.name
-                yield path
+                yield prefix + f.name
                 if f.message_type is not None:
-                    yield from leaf_paths(f.message_type, path + ".")
+                    yield from field_paths(f.message_type, prefix + f.name + ".")
 
-        for path in leaf_paths(request_type.DESCRIPTOR):
+        for path in field_paths(request_type.DESCRIPTOR):
             assert any(label.startswith(path + ":") for label in labels), f"{name}.{path} is never mutated"
         assert any(label.startswith("body:unknown") for label in labels)
         assert any(label.startswith("unsigned:") for label in labels)
