@@ -52,11 +52,11 @@ from pathlib import Path
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
+import numpy as np
+import torch
 
-from veriroll.coordinator import store as st  # noqa: E402
-from veriroll.coordinator.environments import Environment, Prompt, RewardFunction, Rubric  # noqa: E402
+from veriroll.coordinator import store as st
+from veriroll.coordinator.environments import Environment, Prompt, RewardFunction, Rubric
 
 GROUP_SIZE = 16
 GROUPS_PER_STEP = 16

@@ -26,11 +26,11 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-import torch  # noqa: E402
-from transformers import AutoModelForCausalLM, LlamaConfig  # noqa: E402
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig
 
-from veriroll.node.engines import GenerationRequest  # noqa: E402
-from veriroll.node.engines.torch import TorchEngine  # noqa: E402
+from veriroll.node.engines import GenerationRequest
+from veriroll.node.engines.torch import TorchEngine
 
 
 def build_checkpoint(path: Path, *, layers: int, hidden: int, vocab: int) -> None:

@@ -30,7 +30,7 @@ from pathlib import Path
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-from veriroll.coordinator import store as st  # noqa: E402
+from veriroll.coordinator import store as st
 
 VENV_BIN = Path(sys.executable).parent
 TARGET_WINDOW = 3
@@ -43,7 +43,7 @@ def veriroll(*args: str) -> list[str]:
 
 def verifier_available() -> bool:
     try:
-        from veriroll.coordinator.verifier import TrustedVerifier  # noqa: F401
+        from veriroll.coordinator.verifier import TrustedVerifier  # noqa: F401 - probes the install
     except ImportError:
         return False
     return True

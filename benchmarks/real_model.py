@@ -47,28 +47,28 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
+import numpy as np
+import torch
 
-from veriroll.coordinator.config import CoordinatorConfig  # noqa: E402
-from veriroll.coordinator.intake import LeaseRecord, Submission, SubmittedSample  # noqa: E402
-from veriroll.coordinator.models import cached_builtin_model  # noqa: E402
-from veriroll.coordinator.verifier import (  # noqa: E402
+from veriroll.coordinator.config import CoordinatorConfig
+from veriroll.coordinator.intake import LeaseRecord, Submission, SubmittedSample
+from veriroll.coordinator.models import cached_builtin_model
+from veriroll.coordinator.verifier import (
     TrustedVerifier,
     coarser_dtype,
     prefill_group,
     resolve_dtype,
     tolerances_for,
 )
-from veriroll.node.engines.base import GenerationRequest  # noqa: E402
-from veriroll.node.engines.torch import TorchEngine  # noqa: E402
-from veriroll.toploc import (  # noqa: E402
+from veriroll.node.engines.base import GenerationRequest
+from veriroll.node.engines.torch import TorchEngine
+from veriroll.toploc import (
     commit_many,
-    sampling,  # noqa: E402
+    sampling,
     thresholds_for,
     verify_many,
 )
-from veriroll.toploc.sampling import token_logprobs, verify_samples  # noqa: E402
+from veriroll.toploc.sampling import token_logprobs, verify_samples
 
 STOP = [2]  # <|im_end|>
 

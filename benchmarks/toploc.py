@@ -50,28 +50,28 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
+import numpy as np
+import torch
 
-from veriroll.coordinator.advantages import group_advantages  # noqa: E402
-from veriroll.coordinator.config import CoordinatorConfig  # noqa: E402
-from veriroll.coordinator.environments import load_environment  # noqa: E402
-from veriroll.coordinator.intake import LeaseRecord, Submission, SubmittedSample  # noqa: E402
-from veriroll.coordinator.loss import async_ppo_loss  # noqa: E402
-from veriroll.coordinator.model_factory import (  # noqa: E402
+from veriroll.coordinator.advantages import group_advantages
+from veriroll.coordinator.config import CoordinatorConfig
+from veriroll.coordinator.environments import load_environment
+from veriroll.coordinator.intake import LeaseRecord, Submission, SubmittedSample
+from veriroll.coordinator.loss import async_ppo_loss
+from veriroll.coordinator.model_factory import (
     PRESETS,
     build_char_tokenizer,
     build_tiny_model,
     save_checkpoint,
     warm_start,
 )
-from veriroll.coordinator.policy import PolicyStore  # noqa: E402
-from veriroll.coordinator.verifier import TrustedVerifier, prefill_group, resolve_dtype, tolerances_for  # noqa: E402
-from veriroll.node.engines.base import GenerationRequest  # noqa: E402
-from veriroll.node.engines.torch import TorchEngine  # noqa: E402
-from veriroll.toploc import commit_many, verify_many  # noqa: E402
-from veriroll.toploc.proof import HEADER_SIZE  # noqa: E402
-from veriroll.toploc.sampling import perturbed_logits, token_logprobs, verify_samples  # noqa: E402
+from veriroll.coordinator.policy import PolicyStore
+from veriroll.coordinator.verifier import TrustedVerifier, prefill_group, resolve_dtype, tolerances_for
+from veriroll.node.engines.base import GenerationRequest
+from veriroll.node.engines.torch import TorchEngine
+from veriroll.toploc import commit_many, verify_many
+from veriroll.toploc.proof import HEADER_SIZE
+from veriroll.toploc.sampling import perturbed_logits, token_logprobs, verify_samples
 
 CHUNK = 32
 ENV = load_environment("arithmetic", min_digits=1, max_digits=1)

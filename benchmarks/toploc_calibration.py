@@ -35,11 +35,11 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-import torch  # noqa: E402
+import torch
 
-from veriroll.toploc import Thresholds, commit, commit_many, verify, verify_many  # noqa: E402
-from veriroll.toploc.proof import thresholds_for  # noqa: E402
-from veriroll.toploc.sampling import sample  # noqa: E402
+from veriroll.toploc import Thresholds, commit, commit_many, verify, verify_many
+from veriroll.toploc.proof import thresholds_for
+from veriroll.toploc.sampling import sample
 
 CHUNK, TOPK = 32, 128
 # Statistics only: nothing is ever rejected by the statistics pass.

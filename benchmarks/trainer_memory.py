@@ -38,11 +38,11 @@ os.environ.setdefault("MKL_NUM_THREADS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
+import numpy as np
+import torch
 
-from veriroll.coordinator.config import TrainerConfig  # noqa: E402
-from veriroll.coordinator.trainer import (  # noqa: E402
+from veriroll.coordinator.config import TrainerConfig
+from veriroll.coordinator.trainer import (
     GroupRecord,
     SampleRecord,
     build_batch,

@@ -25,12 +25,12 @@ import time
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-import torch  # noqa: E402
+import torch
 
-from veriroll.coordinator.advantages import group_advantages  # noqa: E402
-from veriroll.coordinator.environments import load_environment  # noqa: E402
-from veriroll.coordinator.loss import async_ppo_loss  # noqa: E402
-from veriroll.coordinator.model_factory import (  # noqa: E402
+from veriroll.coordinator.advantages import group_advantages
+from veriroll.coordinator.environments import load_environment
+from veriroll.coordinator.loss import async_ppo_loss
+from veriroll.coordinator.model_factory import (
     PRESETS,
     build_char_tokenizer,
     build_tiny_model,

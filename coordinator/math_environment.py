@@ -198,7 +198,7 @@ def _load_rows(data: str, question_column: str, answer_column: str, split: str, 
     try:
         # A file path only: no hub access. The cache stays under datasets' default cache directory.
         ds = datasets.load_dataset(builder, data_files={split: str(path)}, split=split)
-    except Exception as e:  # noqa: BLE001 - datasets raises many types for unreadable files; say which file
+    except Exception as e:  # datasets raises many types for unreadable files; say which file
         raise EnvironmentLoadError(f"math environment: cannot read {str(path)!r} as {builder}: {type(e).__name__}: {e}") from e
     missing = [c for c in (question_column, answer_column) if c not in ds.column_names]
     if missing:

@@ -141,7 +141,7 @@ def _download(repo_id: str) -> ModelSource:
     try:
         local = snapshot_download(repo_id, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja",
                                                            "*.tiktoken"])
-    except Exception as e:  # noqa: BLE001 - any hub failure becomes one clear error naming the id
+    except Exception as e:  # any hub failure becomes one clear error naming the id
         raise ModelLoadError(
             f"model {repo_id!r} is not a local directory or file, and downloading it from the Hugging Face hub "
             f"failed ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}). Check the id, the network "
@@ -155,7 +155,7 @@ def load_tokenizer(source: ModelSource):
 
     try:
         tok = AutoTokenizer.from_pretrained(str(source.path), **source.from_pretrained_kwargs())
-    except Exception as e:  # noqa: BLE001 - transformers raises many types for a missing/broken tokenizer
+    except Exception as e:  # transformers raises many types for a missing/broken tokenizer
         raise ModelLoadError(f"model {source.spec!r}: no usable tokenizer ({type(e).__name__}: {e}); the model "
                              "directory needs tokenizer.json (or the files of a fast tokenizer)") from e
     if tok is None or not getattr(tok, "is_fast", False) or getattr(tok, "backend_tokenizer", None) is None:
@@ -203,7 +203,7 @@ def load_model(source: ModelSource, dtype: torch.dtype = torch.float32):
     kwargs = source.from_pretrained_kwargs()
     try:
         config = AutoConfig.from_pretrained(str(source.path), **kwargs)
-    except Exception as e:  # noqa: BLE001 - unknown model_type, broken config.json, ...
+    except Exception as e:  # unknown model_type, broken config.json, ...
         raise ModelLoadError(f"model {source.spec!r}: transformers cannot read its config ({type(e).__name__}: "
                              f"{e})") from e
     try:
@@ -212,7 +212,7 @@ def load_model(source: ModelSource, dtype: torch.dtype = torch.float32):
         raise ModelLoadError(f"model {source.spec!r} ({type(config).__name__}, model_type "
                              f"{getattr(config, 'model_type', '?')!r}) is not a causal language model transformers "
                              f"can load: {str(e).splitlines()[0]}") from e
-    except Exception as e:  # noqa: BLE001 - missing weights, shape mismatches, ...
+    except Exception as e:  # missing weights, shape mismatches, ...
         raise ModelLoadError(f"model {source.spec!r}: loading the weights failed ({type(e).__name__}: {e})") from e
     if source.gguf_file:
         model = _without_quantization(model, dtype)

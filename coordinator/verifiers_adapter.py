@@ -135,7 +135,7 @@ class VerifiersEnvironment(Environment):
         config_cls = self._config_type(cls, vf)
         try:
             config = config_cls.model_validate({**taskset_kwargs, "id": taskset_id})
-        except Exception as e:  # noqa: BLE001 - pydantic's ValidationError says which field
+        except Exception as e:  # pydantic's ValidationError says which field
             raise EnvironmentLoadError(f"verifiers taskset {taskset_id!r}: bad arguments: {e}") from e
         taskset = cls(config)
         if limit is not None:

@@ -422,7 +422,7 @@ def verify_many(
     evaluated together: a group costs one vectorized pass, not one per sample."""
     try:
         proofs, hiddens = list(proofs), list(hiddens)
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 - a verdict, never a crash
         return [_reject("verification_error", f"{type(exc).__name__}: {exc}")]
     if len(proofs) != len(hiddens):
         detail = f"{len(proofs)} proofs for {len(hiddens)} trusted tensors"
@@ -432,7 +432,7 @@ def verify_many(
     for i, (proof, hidden) in enumerate(zip(proofs, hiddens, strict=True)):
         try:
             result = _parse(proof, hidden, chunk_size, topk, thresholds)
-        except Exception as exc:  # a verdict, never a crash: anything unforeseen is a rejection
+        except Exception as exc:  # noqa: BLE001 - a verdict, never a crash
             result = _reject("verification_error", f"{type(exc).__name__}: {exc}")
         if isinstance(result, Verdict):
             verdicts[i] = result
@@ -440,12 +440,12 @@ def verify_many(
             parsed[i] = result
     try:
         verdicts_of = _evaluate_parsed(parsed)
-    except Exception:  # isolate the sample that broke the batch
+    except Exception:  # noqa: BLE001 - isolate the sample that broke the batch (retried one by one below)
         verdicts_of = {}
         for i, p in parsed.items():
             try:
                 verdicts_of.update(_evaluate_parsed({i: p}))
-            except Exception as exc:
+            except Exception as exc:  # noqa: BLE001 - a verdict, never a crash: that sample is rejected
                 verdicts_of[i] = _reject("verification_error", f"{type(exc).__name__}: {exc}")
     for i, v in verdicts_of.items():
         verdicts[i] = v

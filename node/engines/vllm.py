@@ -129,7 +129,7 @@ def _apply_seeded(rows_state: vs.BatchRows, cache: dict, logits: torch.Tensor) -
         _CAPTURE.recorder.record(hidden[idx], cache["samples"], positions, tokens, logprobs)
         _CAPTURE.steps += 1
         return vs.force_tokens(logits, idx, tokens)
-    except BaseException as exc:
+    except BaseException as exc:  # noqa: BLE001 - kept and raised by generate() after the step (below)
         # Raising inside vLLM's sampler could leave its scheduler in a state we cannot reason about;
         # remember the first error, let the step finish, and fail the generate() call instead.
         if _CAPTURE.error is None:
@@ -370,7 +370,7 @@ class VLLMEngine(Engine):
                     seeds, positions = (torch.zeros(rows, dtype=torch.int64, device=device) for _ in range(2))
                     draw(torch.zeros(rows, vocab, device=device), 1.0, seeds, positions)
             return draw
-        except Exception:  # noqa: BLE001 - the eager draw is always right, only slower
+        except Exception:  # the eager draw is always right, only slower
             log.warning("could not compile the seeded draw; using the eager one", exc_info=True)
             return vs.sampling.sample
 
@@ -426,7 +426,7 @@ class VLLMEngine(Engine):
             if llm is not None:
                 try:
                     llm.llm_engine.engine_core.shutdown()
-                except Exception:  # noqa: BLE001 - best effort: the process may be exiting
+                except Exception:  # best effort: the process may be exiting
                     log.debug("vllm engine shutdown failed", exc_info=True)
                 del llm
             _CAPTURE.recorder.clear()
@@ -568,6 +568,6 @@ class VLLMEngine(Engine):
             engine.abort_request(list(ids))
             while engine.has_unfinished_requests():
                 engine.step()
-        except Exception:  # noqa: BLE001 - already failing; the original error matters
+        except Exception:  # already failing; the original error matters
             log.warning("could not abort vLLM requests after a failure", exc_info=True)
         _CAPTURE.recorder.clear()

@@ -94,7 +94,7 @@ def _rank(rank: int, world: int, init_file: str, out_dir: str, strategy: str) ->
 
 def _fsdp2_on_cpu() -> bool:
     try:
-        from torch.distributed.fsdp import fully_shard  # noqa: F401
+        from torch.distributed.fsdp import fully_shard  # noqa: F401 - imported only to probe this torch build
     except ImportError:
         return False
     return True

@@ -249,7 +249,7 @@ def test_lease_rules_second_submit_other_node_and_expiry(base):
             assert s["accepted_groups"] == 1
             assert s["rejections_by_reason"] == {"lease_not_yours": 1, "lease_used": 1, "lease_expired": 1}
             # The expired lease's prompt went back to the pool and is leased again first.
-            prompt_of = lambda lid: coord.db.run_sync(  # noqa: E731
+            prompt_of = lambda lid: coord.db.run_sync(  # noqa: E731 - a two-line query, local to this check
                 lambda c: c.execute("SELECT prompt_id FROM leases WHERE lease_id = ?", (lid,)).fetchone()[0])
             again = (await alice.lease_work(pb.LeaseRequest())).leases[0]
             assert prompt_of(again.lease_id) == prompt_of(late.lease_id)

@@ -25,7 +25,7 @@ VERIFY = {"intake.verify": True, "leases.max_open_per_node": 8, "leases.probatio
 
 def verifier_present() -> bool:
     try:
-        import veriroll.coordinator.verifier  # noqa: F401
+        import veriroll.coordinator.verifier  # noqa: F401 - imported only to probe the install
     except ImportError:
         return False
     return True
