@@ -44,17 +44,17 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
+import numpy as np
+import torch
 
-from veriroll.coordinator.config import CoordinatorConfig  # noqa: E402
-from veriroll.coordinator.intake import LeaseRecord, Submission, SubmittedSample  # noqa: E402
-from veriroll.coordinator.policy import PolicyStore  # noqa: E402
-from veriroll.coordinator.verifier import Stage, TrustedVerifier  # noqa: E402
-from veriroll.coordinator.verify_budget import VerifierBudget  # noqa: E402
-from veriroll.node.engines.base import GenerationRequest  # noqa: E402
-from veriroll.node.engines.torch import TorchEngine  # noqa: E402
-from veriroll.toploc.proof import _HEADER, DTYPE_BF16, FORMAT_VERSION, MAGIC, P  # noqa: E402
+from veriroll.coordinator.config import CoordinatorConfig
+from veriroll.coordinator.intake import LeaseRecord, Submission, SubmittedSample
+from veriroll.coordinator.policy import PolicyStore
+from veriroll.coordinator.verifier import Stage, TrustedVerifier
+from veriroll.coordinator.verify_budget import VerifierBudget
+from veriroll.node.engines.base import GenerationRequest
+from veriroll.node.engines.torch import TorchEngine
+from veriroll.toploc.proof import _HEADER, DTYPE_BF16, FORMAT_VERSION, MAGIC, P
 
 CHUNK, TOPK = 32, 128
 ATTACKER, HONEST = "203.0.113.9", "198.51.100.20"  # the honest node sits in another /24

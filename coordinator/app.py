@@ -167,7 +167,7 @@ async def _housekeeping(coord: Coordinator) -> None:
             if expired:
                 coord.service.metrics.leases_expired.inc(expired)
             await coord.service.refresh_gauges()
-        except Exception:  # noqa: BLE001 - keep housekeeping alive; log and go on
+        except Exception:  # keep housekeeping alive; log and go on
             log.exception("housekeeping failed")
         await asyncio.sleep(1.0)
 

@@ -23,10 +23,20 @@ class Refusal(Exception):
     refusal is recorded, so that it is never recorded twice on its way out."""
 
     def __init__(self, reason: Reason, detail: str = "", *, counted: bool = False):
-        super().__init__(f"{reason.value}: {detail or reason.message}")
+        detail = bounded_detail(detail or reason.message)
+        super().__init__(f"{reason.value}: {detail}")
         self.reason = reason
-        self.detail = detail or reason.message
+        self.detail = detail
         self.counted = counted
+
+
+MAX_DETAIL_CHARS = 500
+"""A refusal's detail goes back in the status message (gRPC metadata, 16 KiB at most) and into the store:
+cut here, so that no check can echo an attacker's megabyte back or lose the reason on the way out."""
+
+
+def bounded_detail(detail: str) -> str:
+    return detail if len(detail) <= MAX_DETAIL_CHARS else detail[:MAX_DETAIL_CHARS - 1] + "…"
 
 
 class Door:

@@ -359,7 +359,7 @@ async def _relay_loop(source: StatusSource) -> None:
         while True:
             try:
                 await source.poll_relays(session)
-            except Exception:  # noqa: BLE001 - keep polling; one bad round must not end the loop
+            except Exception:  # keep polling; one bad round must not end the loop
                 log.exception("relay poll failed")
             await asyncio.sleep(RELAY_POLL_S)
 

@@ -188,7 +188,7 @@ def check_shape(sub: Submission, lease: LeaseRecord, *, vocab_size: int, max_pro
         if stops_per_sample[i] - ends_on_stop or s.finish_reason not in ("stop", "length") \
                 or (s.finish_reason == "stop") != ends_on_stop \
                 or (s.finish_reason == "length" and lengths[i] != lease.max_new_tokens):
-            return Rejection(Reason.BAD_FINISH, f"sample {i}: finish_reason {s.finish_reason!r} does not match its tokens")
+            return Rejection(Reason.BAD_FINISH, f"sample {i}: finish_reason {s.finish_reason[:32]!r} does not match its tokens")
     return None
 
 

@@ -147,7 +147,9 @@ class CoordinatorService:
                 await self.ledger.refuse(node_id, refusal.reason, refusal.detail)
                 refusal.counted = True
             raise
-        except Exception as exc:  # noqa: BLE001 - answered as a counted `internal` refusal; nothing was accepted
+        # Blind on purpose: any bug below the door is answered as a counted `internal` refusal (logged with
+        # its traceback); nothing was accepted.
+        except Exception as exc:
             log.exception("internal error in %s", name)
             self.metrics.requests.inc(method=name, result=Reason.INTERNAL.value)
             await self.ledger.refuse(node_id, Reason.INTERNAL, f"internal error in {name}")

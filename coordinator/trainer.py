@@ -476,7 +476,7 @@ def wrap_distributed(model: torch.nn.Module, strategy: str = "auto") -> torch.nn
     if strategy == "auto":
         on_cuda = next(model.parameters()).is_cuda
         try:
-            from torch.distributed.fsdp import fully_shard  # noqa: F401
+            from torch.distributed.fsdp import fully_shard
             have_fsdp2 = True
         except ImportError:
             have_fsdp2 = False
@@ -967,7 +967,7 @@ async def _train_forever(coord, trainer: Trainer, pool: ThreadPoolExecutor) -> N
             outcome = await loop.run_in_executor(pool, trainer.step)
         except asyncio.CancelledError:
             raise
-        except Exception:  # noqa: BLE001 - the coordinator keeps serving; the step was rolled back, or training stops
+        except Exception:  # the coordinator keeps serving; the step was rolled back, or training stops
             if trainer.broken:
                 log.exception("trainer stopped")
                 return
@@ -987,5 +987,5 @@ async def _announce(coord, version: int) -> None:
     if hasattr(coord, "publish_version"):
         try:
             await coord.publish_version(version)
-        except Exception:  # noqa: BLE001 - nodes still get it from the disk-backed origin on retry
+        except Exception:  # nodes still get it from the disk-backed origin on retry
             log.exception("handing version %d to shardcast failed", version)

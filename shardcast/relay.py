@@ -700,7 +700,7 @@ class RelayServer:
                 raise
             # Blind on purpose: whatever one round hits (it is logged with its traceback and shown in
             # /status), the relay keeps serving what it holds and tries again next round.
-            except Exception as exc:  # noqa: BLE001
+            except Exception as exc:
                 self.mirror_last_error = f"{type(exc).__name__}: {exc}"
                 log.exception("mirror round failed")
             await asyncio.sleep(self.poll_interval)

@@ -72,6 +72,10 @@ OVERRIDES = {
     "server.timestamp_window_s": 600.0,  # so that "signed before the coordinator started" stays inside it
     "leases.ttl_s": 3600.0,  # no lease expires during the campaign: every state change has a request behind it
     "leases.max_open_per_node": 4,
+    # New keys on probation: as many leases as a trusted node, no lease or verifier-time budget to run out.
+    "leases.probation_max_open": 4, "leases.probation_lease_burst": 1e6, "leases.probation_floor": 1_000_000,
+    "intake.verify_seconds_per_minute_per_identity": 0, "intake.verify_seconds_per_minute_per_address": 0,
+    "intake.verify_seconds_per_minute_per_prefix": 0,
     "leases.queue_maxsize": 1_000_000,  # the trainer is off: accepted groups must not stop the leases
 }
 # Tables whose rows a refused request may not touch (rejections and rejection_counts are the counters).
@@ -292,6 +296,9 @@ def state_after_refusal(before: dict, reason: Reason, method: str, body: bytes, 
         prompt = expected["prompts"][(lease["prompt_id"],)]
         if prompt["state"] == "leased":
             prompt["state"] = "pending"
+        # The store's trigger-kept counts of open leases follow (see store._LEASE_COUNTERS).
+        expected["counters"][("open_leases",)]["value"] -= 1
+        expected["counters"][("open_probation_leases",)]["value"] -= lease["probation"]
     return expected
 
 
@@ -402,7 +409,7 @@ class FuzzWorld:
 
     async def run(self, case: Case) -> Outcome:
         body = case.body(await self.valid_request(case.method))
-        keys = Keys(self.signer(case.method), self.other, self.coord.service.nonces.not_before_ms)
+        keys = Keys(self.signer(case.method), self.other, self.coord.service.door.nonces.not_before_ms)
         metadata = case.metadata(keys, full_method(case.method), body)
         if case.replay:
             await self.send(case, body, metadata)
@@ -496,32 +503,6 @@ def miscounted(c: Campaign) -> list[Outcome]:
             and (o.rejections_metric, o.rejections_stored) != (({o.reason: 1},) * 2 if counted_once(o) else ({}, {}))]
 
 
-# Bugs in files this suite may not change, each with the outcomes it explains; a test that meets only
-# those outcomes is marked xfail with the description (any other failure still fails it).
-DOUBLE_COUNT_BUG = (
-    "known bug: coordinator/server.py _COUNTED_BY_INTAKE lacks Reason.DTYPE_NOT_ACCEPTED (and the verifier's "
-    "Reason.INTERNAL): SubmitGroup's intake counts these refusals (service._reject_op and _answer) and the edge "
-    "counts them again, in the store and in veriroll_rejections_total")
-OVERSIZED_DETAIL_BUG = (
-    "known bug: coordinator/intake.py check_shape echoes the whole finish_reason into the bad_finish detail, and "
-    "coordinator/server.py sends the detail unbounded as the status message: a 512 KiB finish_reason gives a "
-    "status above gRPC's 16 KiB metadata limit, so the node gets RESOURCE_EXHAUSTED 'Stream removed' and no reason")
-
-
-def double_counted(o: Outcome) -> bool:
-    return o.method == "SubmitGroup" and o.reason in ("dtype_not_accepted", "internal") \
-        and o.rejections_metric == o.rejections_stored == {o.reason: 2}
-
-
-def detail_over_the_metadata_limit(o: Outcome) -> bool:
-    return o.code == grpc.StatusCode.RESOURCE_EXHAUSTED and o.reason is None and "metadata size exceeds" in o.details
-
-
-def xfail_if_only_known_bug(found: list[Outcome], explained: Callable[[Outcome], bool], bug: str) -> None:
-    if found and all(explained(o) for o in found):
-        pytest.xfail(f"{bug} ({len(found)} requests, e.g. {found[0]})")
-
-
 def wrong_expected_reasons(c: Campaign) -> list[str]:
     return [f"{o} (expected {o.expected or 'OK'})" for o in c.outcomes
             if o.expected is not None and o.answer != o.expected]
@@ -571,7 +552,6 @@ def test_refused_requests_change_no_state(campaign):
 def test_every_refusal_names_a_known_reason_with_its_status_code(campaign):
     assert not [o for o in campaign.outcomes if o.bad_response]
     found = refusals_without_known_reason(campaign)
-    xfail_if_only_known_bug(found, detail_over_the_metadata_limit, OVERSIZED_DETAIL_BUG)
     assert not found, "\n".join(map(str, found[:40]))
 
 
@@ -581,7 +561,6 @@ def test_envelope_mutations_get_their_reason(campaign):
 
 def test_every_refusal_is_counted_exactly_once(campaign):
     found = miscounted(campaign)
-    xfail_if_only_known_bug(found, double_counted, DOUBLE_COUNT_BUG)
     assert not found, "\n".join(f"{o}: metric {o.rejections_metric} store {o.rejections_stored}" for o in found[:40])
 
 
@@ -600,9 +579,4 @@ def test_bigger_campaign_holds_every_property(tmp_path, seed):
     assert not wrong_expected_reasons(c) and not [o for o in c.outcomes if o.bad_response]
     assert c.rss_mb[-1] - c.rss_mb[1] < RSS_SLACK_MB and c.fds[-1] - c.fds[1] <= FD_SLACK
     assert c.honest_after is not None and c.honest_after.accepted
-    known = [(refusals_without_known_reason(c), detail_over_the_metadata_limit, OVERSIZED_DETAIL_BUG),
-             (miscounted(c), double_counted, DOUBLE_COUNT_BUG)]
-    for found, explained, _ in known:
-        assert all(explained(o) for o in found), "\n".join(str(o) for o in found if not explained(o))
-    for found, explained, bug in known:
-        xfail_if_only_known_bug(found, explained, bug)
+    assert not refusals_without_known_reason(c) and not miscounted(c)
