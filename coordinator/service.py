@@ -37,6 +37,7 @@ from veriroll.coordinator.policy import PolicyState
 from veriroll.coordinator.prompts import PromptRenderer
 from veriroll.coordinator.rewards import RewardRunner
 from veriroll.coordinator.verify_budget import VerifierBudget
+from veriroll.protos.bounds import field_problem
 from veriroll.protos.envelope import EnvelopeError, SignedHeaders, parse_headers
 from veriroll.protos.identity import PublicKey, public_key_problem
 from veriroll.protos.reasons import Reason
@@ -133,6 +134,9 @@ class CoordinatorService:
                 request = request_type.FromString(body)
             except DecodeError as exc:
                 raise Refusal(Reason.MALFORMED, f"cannot parse {request_type.__name__}: {exc}") from exc
+            problem = field_problem(request)
+            if problem is not None:
+                raise Refusal(Reason.MALFORMED, problem)
             if name == "Register":
                 response = await self.register(headers, request, node=node, peer=peer)
             elif name in ("LeaseWork", "SubmitGroup"):

@@ -358,33 +358,38 @@ def test_health_service_reports_serving(base):
     run(scenario())
 
 
-def test_register_with_oversized_self_description_is_stored_bounded(base):
-    """Issue 12: a 1 MiB ``hardware.cpu`` (under the message cap) used to be stored and echoed as is."""
+def test_register_with_oversized_self_description_is_refused_and_a_long_one_stored_bounded(base):
+    """Issue 12: a 1 MiB ``hardware.cpu`` (under the message cap) used to be stored and echoed as is. Now a
+    field past its bound in the contract (protos/bounds.py) is refused before anything reads it, and one
+    within it is stored cut to the listing's bounds, without control characters."""
     import json
 
     import aiohttp
 
-    huge = "x\x00\u202e" * (1024 * 1024 // 5)  # ~1 MiB of UTF-8 with NULs and a bidi override mixed in
-    gpus = [pb.Gpu(name="g" * 10_000 + "\n", memory_bytes=80 << 30) for _ in range(100)]
-    hardware = pb.HardwareReport(cpu=huge, cpu_count=-5, ram_bytes=64 << 30, gpus=gpus, os="Linux\r\n" + "o" * 5000,
-                                 engine="torch" * 1000, device="cuda\x1b[31m" * 1000)
-    request = pb.RegisterRequest(hardware=hardware, software_version="v" * 100_000, display_name=" eve\n" + "e" * 1000)
-    assert 1024 * 1024 < request.ByteSize() < 8 * 1024 * 1024
+    huge = pb.RegisterRequest(hardware=pb.HardwareReport(cpu="x\x00\u202e" * (1024 * 1024 // 5)))
+    assert 1024 * 1024 < huge.ByteSize() < 8 * 1024 * 1024
+    gpus = [pb.Gpu(name="g" * 1000 + "\n", memory_bytes=80 << 30) for _ in range(64)]
+    hardware = pb.HardwareReport(cpu="x\x00\u202e" * 340, cpu_count=-5, ram_bytes=64 << 30, gpus=gpus,
+                                 os="Linux\r\n" + "o" * 1000, engine="torch" * 12, device="cuda\x1b[31m" * 6)
+    request = pb.RegisterRequest(hardware=hardware, software_version="v" * 256, display_name=" eve\n" + "e" * 1000)
 
     async def scenario():
         async with running_coordinator(base) as coord, node_client(coord, register=False) as stub:
-            request.public_key = stub.key.public.raw
+            huge.public_key = request.public_key = stub.key.public.raw
+            err = await expect_refusal(stub.register(huge), grpc.StatusCode.INVALID_ARGUMENT, "malformed")
+            nodes_after_refusal = summary(coord)["nodes"]
             answer = await stub.register(request)
             row = coord.db.run_sync(lambda c: dict(c.execute("SELECT * FROM nodes").fetchone()))
             async with aiohttp.ClientSession() as s, s.get(f"http://127.0.0.1:{coord.http_port}/api/status") as r:
                 status = (r.status, await r.read())
-            return answer, row, status
+            return err, nodes_after_refusal, answer, row, status
 
-    answer, row, (http_status, body) = run(scenario())
+    err, nodes_after_refusal, answer, row, (http_status, body) = run(scenario())
+    assert "HardwareReport.cpu has" in err.details and "at most 1024" in err.details and nodes_after_refusal == 0
     assert answer.standing == "probation"
     hw = json.loads(row["hardware"])
     assert hw["cpu"] == "x" * 128 and hw["cpu_count"] == 0 and hw["ram_bytes"] == 64 << 30
-    assert hw["os"] == "Linux" + "o" * 123 and len(hw["engine"]) == 128 and hw["device"].startswith("cuda[31m")
+    assert hw["os"] == "Linux" + "o" * 123 and len(hw["engine"]) == 60 and hw["device"].startswith("cuda[31m")
     assert len(hw["gpus"]) == 16 and all(g == {"name": "g" * 128, "memory_bytes": 80 << 30} for g in hw["gpus"])
     assert row["software_version"] == "v" * 64 and row["display_name"] == "eve" + "e" * 61
     assert len(row["hardware"]) < 4096
