@@ -3,14 +3,17 @@
 The coordinator runs as its own process (`veriroll coordinator run`, TLS on gRPC, the SQLite store) on
 loopback; the attacker runs in this process with plain sockets and grpc.aio.
 
-- ``idle_connections``: opens idle connections of every kind and measures when the coordinator has
-  closed all of them: raw TCP to the gRPC port that never starts TLS, TLS + HTTP/2 preface that then
-  stays silent, full gRPC channels left idle, raw TCP to the HTTP port that never sends a request, and
-  one slowloris client sending its request head one byte every ``SLOWLORIS_BYTE_EVERY_S``. The
-  coordinator's ``server.idle_timeout_s`` is lowered for the benchmark (the figure says by how much).
-- ``oversized_flood``: 12 concurrent unsigned 30 MiB SubmitGroup requests (above ``max_message_bytes``,
-  below the old transport cap of 4x it), in rounds; the coordinator's RSS (from /proc) before, at its
-  peak and after the flood has settled.
+- ``idle_connections``: opens idle connections of every kind at once and measures when the coordinator
+  has closed each: bare TCP to the gRPC port that never starts TLS, TLS + HTTP/2 preface that then stays
+  silent, real gRPC channels left idle after connecting, bare TCP to the HTTP port that never sends a
+  request, and one slowloris client sending its request head a byte every ``SLOWLORIS_BYTE_EVERY_S``.
+  ``server.idle_timeout_s`` and ``server.handshake_timeout_s`` are lowered to ``--idle-timeout-s`` (the
+  figures say so; production defaults are 30 s and 10 s), and the per-address HTTP connection limit is
+  lifted, since every connection comes from 127.0.0.1 and this measures how long admitted ones stay.
+- ``oversized_flood``: rounds of 12 concurrent unsigned 30 MiB SubmitGroup requests (over
+  ``max_message_bytes``, under the old transport cap of 4x it), then rounds of requests of exactly
+  ``max_message_bytes`` (which gRPC buffers whole before the edge refuses them); the coordinator's RSS
+  (from /proc) before, at the peak, and ``SETTLE_S`` after each flood.
 
 Prints the figures, one JSON line last.
 """
@@ -178,7 +181,7 @@ async def _idle_attack(coord: RunningCoordinator, per_kind: int, limit_s: float)
         "raw_tcp_grpc": [_raw_idle(coord.grpc_port, t0, limit_s) for _ in range(per_kind)],
         "h2_after_handshake": [_h2_idle(coord.grpc_port, coord.ca, t0, limit_s) for _ in range(per_kind)],
         "grpc_channel": [_grpc_idle(coord.grpc_port, coord.ca, t0, limit_s) for _ in range(per_kind)],
-        "raw_tcp_http": [_raw_idle(coord.http_port, t0, limit_s) for _ in range(2 * per_kind)],
+        "raw_tcp_http": [_raw_idle(coord.http_port, t0, limit_s) for _ in range(3 * per_kind)],
         "slowloris_http": [_slowloris(coord.http_port, t0, limit_s)],
     }
     names = [n for n, coros in kinds.items() for _ in coros]
@@ -191,7 +194,7 @@ async def _idle_attack(coord: RunningCoordinator, per_kind: int, limit_s: float)
 
 def idle_connections(quick: bool = True, idle_timeout_s: float = 5.0) -> dict:
     """Open idle connections of every kind against a real coordinator; when are all of them closed?"""
-    per_kind = 100 if quick else 300  # gRPC-port connections per kind; the HTTP port gets 2x
+    per_kind = 100 if quick else 300  # connections per kind: 3 kinds on the gRPC port; the HTTP port gets 3x
     limit_s = 6 * idle_timeout_s + 20
     # The per-address connection limit is lifted here: every connection comes from 127.0.0.1, and this
     # measures how long the ones let in may stay.
@@ -266,11 +269,11 @@ async def _flood(coord: RunningCoordinator, rounds: int, body_bytes: int) -> tup
     return peak, outcomes
 
 
-def oversized_flood(quick: bool = True, overrides: dict | None = None) -> dict:
+def oversized_flood(quick: bool = True) -> dict:
     """Coordinator RSS growth under rounds of 12 concurrent unsigned requests: 30 MiB ones (over the cap),
     then ones of exactly ``max_message_bytes`` (which gRPC must buffer whole before the edge refuses them)."""
     rounds = 3 if quick else 10
-    coord = start_coordinator(overrides or {})
+    coord = start_coordinator({})
     try:
         from veriroll.coordinator.app import load_coordinator_config
 
@@ -302,14 +305,24 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="fewer connections and flood rounds (under two minutes)")
     ap.add_argument("--idle-timeout-s", type=float, default=5.0,
-                    help="server.idle_timeout_s of the coordinator under test (default 30 in production)")
+                    help="server.idle_timeout_s and handshake_timeout_s of the coordinator under test "
+                         "(production defaults: 30 and 10)")
     args = ap.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.setdefault("GRPC_VERBOSITY", "ERROR")  # the idle channels' GOAWAYs are expected here
     import torch
 
     torch.set_num_threads(1)
-    result = {**idle_connections(args.quick, args.idle_timeout_s), **oversized_flood(args.quick)}
-    print(json.dumps(result))
+    idle = idle_connections(args.quick, args.idle_timeout_s)
+    print(f"idle connections (timeouts {idle['idle_timeout_s']:g} s): gRPC {idle['idle_grpc_closed']}/"
+          f"{idle['idle_grpc_opened']} closed, HTTP {idle['idle_http_closed']}/{idle['idle_http_opened']} closed, "
+          f"all within {idle['idle_connections_closed_within_s']} s; slowloris cut after "
+          f"{idle['slowloris_cut_within_s']} s; by kind {idle['closed_within_s_by_kind']}")
+    flood = oversized_flood(args.quick)
+    print(f"oversized flood ({flood['flood']}): RSS +{flood['rss_growth_mb_under_oversized_flood']} MB after "
+          f"(peak +{flood['rss_peak_growth_mb_under_oversized_flood']}); at the cap +"
+          f"{flood['rss_growth_mb_after_at_cap_flood']} MB after (peak +{flood['rss_peak_growth_mb_under_at_cap_flood']})")
+    print(json.dumps({**idle, **flood}))
     return 0
 
 
