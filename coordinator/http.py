@@ -1,6 +1,9 @@
 """The coordinator's HTTP side, on its own port: ``/metrics``, ``/healthz``, ``/api/status`` and the dashboard.
 
-This port is for the operator (Prometheus, a browser), never for nodes: nodes speak signed gRPC.
+This port is for the operator (Prometheus, a browser), never for nodes: nodes speak signed gRPC. It is
+still open to anyone who can reach it, so each address may hold ``server.http_connections_per_address``
+connections, and a connection that does not send its request head in time is closed (see
+:class:`ConnectionLimits`); refusals are counted in ``veriroll_http_refused_total``.
 
 Status queries run on the store's reader connection (``Database.run_read``), not on its writer
 thread, so a dashboard left open (or a slow aggregate over many groups) never delays intake; WAL
@@ -525,8 +528,7 @@ class _LimitedConnection(asyncio.Protocol):
         self._deadline = None
         if self._served == 0:  # idle after answered requests is ordinary keep-alive; before any, it is not
             self._limits.refused.inc(reason="request_head_timeout")
-        if self._transport is not None:
-            self._transport.abort()
+        self._transport.abort()
 
 
 @web.middleware

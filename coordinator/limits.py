@@ -113,7 +113,8 @@ def release_freed_memory() -> bool:
     little to trigger the collector, so the bodies stayed. Why the trim: glibc raises its mmap threshold
     to the largest block freed so far, so later large bodies come from the heap, and freed heap stays in
     the process. Measured, 36 unsigned 8 MiB requests: 280 MB still resident 7 s later without these,
-    a few MB with them. A young collection and a trim with nothing to return cost well under a millisecond.
+    40-55 MB with them. A young collection and a trim with nothing to return cost well under a millisecond
+    (a full collection would cost 100-200 ms with a model loaded, hence young generations only).
     """
     gc.collect(1)
     trim = _malloc_trim()
