@@ -124,8 +124,6 @@ def server_options(service: CoordinatorService) -> list[tuple[str, int]]:
         # stalled handshake) is dropped; one with no call in flight for idle_timeout_s gets a GOAWAY.
         ("grpc.server_handshake_timeout_ms", int(server.handshake_timeout_s * 1000)),
         ("grpc.max_connection_idle_ms", int(server.idle_timeout_s * 1000)),
-        # No one connection opens more streams than its address may have in flight; more wait in the client.
-        ("grpc.max_concurrent_streams", server.max_inflight_per_address),
         # Keepalive enforcement: clients may ping at most every 30 s, two strikes and they are cut off.
         ("grpc.http2.min_ping_interval_without_data_ms", 30_000),
         ("grpc.http2.max_ping_strikes", 2),
