@@ -9,12 +9,14 @@ import json
 import logging
 import os
 import signal
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from veriroll.coordinator import store as st
 from veriroll.coordinator.config import CoordinatorConfig
 from veriroll.coordinator.http import start_http
+from veriroll.coordinator.limits import release_freed_memory
 from veriroll.coordinator.metrics import CoordinatorMetrics
 from veriroll.coordinator.policy import PolicyStore
 from veriroll.coordinator.publisher import start_publisher
@@ -27,6 +29,8 @@ log = logging.getLogger("veriroll.coordinator")
 
 CONFIG_NAME = "coordinator.toml"
 PORTS_NAME = "ports.json"
+STOP_WAIT_S = 6.0  # what the parts get to close after a stop signal (docker stop kills at 10 s)
+MEMORY_RELEASE_EVERY_S = 5.0
 
 
 def load_coordinator_config(base_dir: Path, overrides=()) -> CoordinatorConfig:
@@ -56,9 +60,16 @@ class Coordinator:
     def address(self) -> str:
         return f"{self.cfg.server.host}:{self.grpc_port}"
 
-    async def stop(self, grace: float = 2.0) -> None:
+    async def stop(self, grace: float = 2.0, *, wait_s: float = STOP_WAIT_S) -> bool:
+        """Stop serving and close every part; True when every part closed, False when one was still busy
+        after ``wait_s`` (a trainer step in flight) and was left behind.
+
+        Calls in flight get ``grace`` seconds, then are cancelled (a node retries them). Whatever the store
+        was handed is committed before it closes. A part left behind is safe to drop: nothing it has not
+        committed was acknowledged, exactly as if the process had been killed there.
+        """
         if self.stopped.is_set():
-            return
+            return True
         self.stopped.set()
         if self.server is not None:
             await self.server.stop(grace)
@@ -69,12 +80,26 @@ class Coordinator:
                 await task
             except (asyncio.CancelledError, Exception):  # noqa: BLE001 - shutting down
                 pass
+        all_closed = True
+        deadline = time.monotonic() + wait_s
         for close in reversed(self.closers):
             res = close()
-            if asyncio.iscoroutine(res):
-                await res
+            if not asyncio.iscoroutine(res):
+                continue
+            closing = asyncio.ensure_future(res)
+            done, _ = await asyncio.wait({closing}, timeout=max(0.0, deadline - time.monotonic()))
+            if not done:
+                log.warning("%s still busy %.0f s after the stop signal: left behind", _name_of(close), wait_s)
+                all_closed = False
+            elif closing.exception() is not None:
+                log.error("closing %s failed", _name_of(close), exc_info=closing.exception())
         self.service.close()
         self.db.close()
+        return all_closed
+
+
+def _name_of(close) -> str:
+    return getattr(close, "__qualname__", repr(close)).replace(".<locals>.close", "")
 
 
 def build_verifier(cfg: CoordinatorConfig, policy_store: PolicyStore):
@@ -147,6 +172,7 @@ async def _start_parts(coord: Coordinator, key) -> None:
 
         await start_trainer(coord)
     coord.tasks.append(asyncio.create_task(_housekeeping(coord)))
+    coord.tasks.append(asyncio.create_task(_release_memory_forever(), name="veriroll-release-memory"))
     ports = {"grpc": coord.grpc_port, "http": coord.http_port, "pid": os.getpid()}
     origin = getattr(coord, "origin_url", None)
     if origin:
@@ -172,16 +198,45 @@ async def _housekeeping(coord: Coordinator) -> None:
         await asyncio.sleep(1.0)
 
 
-async def serve_forever(base_dir: str | Path, overrides=()) -> int:
-    coord = await start_coordinator(base_dir, overrides=overrides)
-    stop = asyncio.Event()
+async def serve_forever(base_dir: str | Path, overrides=(), stop: asyncio.Event | None = None) -> int:
+    """Run the coordinator in ``base_dir`` until SIGTERM or SIGINT (or ``stop`` is set), then stop it;
+    returns the exit status.
+
+    The signals are caught from the start: one during start-up cancels start-up at its next await (what
+    was started is stopped again). Stopping waits for the store's commits and at most ``STOP_WAIT_S`` for
+    any other part; a part still busy then (a trainer step) is dropped by leaving the process at once.
+    """
+    stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
-        try:
-            loop.add_signal_handler(sig, stop.set)
-        except (NotImplementedError, RuntimeError):
-            pass
-    await stop.wait()
+        loop.add_signal_handler(sig, stop.set)
+    if stop.is_set():
+        log.info("stop signal before start-up; not starting")
+        return 0
+    starting = asyncio.create_task(start_coordinator(base_dir, overrides=overrides), name="veriroll-start")
+    stop_signal = asyncio.create_task(stop.wait())
+    await asyncio.wait({starting, stop_signal}, return_when=asyncio.FIRST_COMPLETED)
+    if not starting.done():
+        log.info("stop signal during start-up; stopping")
+        starting.cancel()
+        await asyncio.gather(starting, return_exceptions=True)
+        return 0
+    if starting.exception() is not None:
+        stop_signal.cancel()
+        raise starting.exception()
+    coord = starting.result()
+    await stop_signal
     log.info("shutting down")
-    await coord.stop()
-    return 0
+    if await coord.stop():
+        log.info("stopped")
+        return 0
+    # A thread still runs a step of the left-behind part; the interpreter would wait for it at exit.
+    log.warning("stopped; leaving the parts still busy behind")
+    logging.shutdown()
+    os._exit(0)
+
+
+async def _release_memory_forever() -> None:
+    """Hand freed heap back to the OS every few seconds, so that RSS falls again after a flood of large requests."""
+    while await asyncio.to_thread(release_freed_memory):
+        await asyncio.sleep(MEMORY_RELEASE_EVERY_S)

@@ -6,6 +6,7 @@ import asyncio
 import json
 import logging
 import shutil
+import signal
 import sys
 from pathlib import Path
 
@@ -193,12 +194,16 @@ def _preset_and_sets(preset: str, sets: list[str]) -> dict:
 
 
 def cmd_run(args) -> int:
+    # A stop signal during the imports below (seconds: torch) is remembered and honoured once serving starts.
+    stop = asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
     from veriroll.coordinator.app import serve_forever
 
     _threads(1)
     logging.basicConfig(level=getattr(logging, args.log_level.upper()), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
-        return asyncio.run(serve_forever(Path(args.dir), overrides=args.set or ()))
+        return asyncio.run(serve_forever(Path(args.dir), overrides=args.set or (), stop=stop))
     except (FileNotFoundError, ConfigError) as exc:
         print(exc, file=sys.stderr)
         return 2

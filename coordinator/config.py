@@ -32,6 +32,15 @@ class ServerConfig(_Section):
     peer_rate_per_s: float = Field(2000.0, description="sustained requests per second per peer IP address")
     peer_burst: float = Field(4000.0, description="burst allowance per peer IP address")
     http_port: int = Field(0, description="HTTP port for /metrics, /healthz, the status API and the dashboard (0: pick a free one)")
+    idle_timeout_s: float = Field(30.0, gt=0, description="close a gRPC or HTTP connection that has had no request in "
+                                                          "flight for this long (clients reconnect when they need to)")
+    handshake_timeout_s: float = Field(10.0, gt=0, description="a new connection must finish its TLS and HTTP/2 "
+                                       "handshake (gRPC) or send its first complete request head (HTTP) within this, "
+                                       "or it is closed")
+    max_inflight_per_address: int = Field(64, ge=1, description="gRPC requests served at once from one address (IPv6: "
+                                          "its /64); more are refused as rate_limited. Raise it for many nodes behind one NAT")
+    http_connections_per_address: int = Field(16, ge=1, description="connections to the HTTP port open at once from one "
+                                              "address (IPv6: its /64); more are closed at once and counted")
 
 
 class LeaseConfig(_Section):

@@ -1,6 +1,9 @@
 """The coordinator's HTTP side, on its own port: ``/metrics``, ``/healthz``, ``/api/status`` and the dashboard.
 
-This port is for the operator (Prometheus, a browser), never for nodes: nodes speak signed gRPC.
+This port is for the operator (Prometheus, a browser), never for nodes: nodes speak signed gRPC. It is
+still open to anyone who can reach it, so each address may hold ``server.http_connections_per_address``
+connections, and a connection that does not send its request head in time is closed (see
+:class:`ConnectionLimits`); refusals are counted in ``veriroll_http_refused_total``.
 
 Status queries run on the store's reader connection (``Database.run_read``), not on its writer
 thread, so a dashboard left open (or a slow aggregate over many groups) never delays intake; WAL
@@ -48,12 +51,15 @@ import logging
 import math
 import sqlite3
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import aiohttp
 from aiohttp import web
 
 from veriroll.coordinator import store as st
+from veriroll.coordinator.limits import PeerGate
+from veriroll.coordinator.metrics import Counter
 
 log = logging.getLogger("veriroll.coordinator.http")
 
@@ -67,6 +73,12 @@ MAX_WINDOW_S = 365 * 86400
 MAX_LISTED_NODES = 200  # /api/status lists this many nodes (most recently seen); nodes_total counts all
 BUCKET_SIZES_S = (10, 30, 60, 300, 900, 1800, 3600, 3 * 3600, 6 * 3600, 12 * 3600, 24 * 3600)
 STATUS_CACHE_S = 1.0
+# Request heads are small here (the page's URLs, a browser's headers); nothing the port serves takes a body.
+MAX_REQUEST_LINE = 4096
+MAX_HEADER_FIELD = 8190
+MAX_HEADERS = 64
+MAX_BODY_BYTES = 64 * 1024
+SHUTDOWN_WAIT_S = 1.0  # an answer still being written at shutdown gets this long
 RELAY_POLL_S = 10.0
 RELAY_TIMEOUT_S = 3.0
 # The page's scripts and styles are ours and same-origin; node-supplied text (display names) is only
@@ -309,12 +321,37 @@ def parse_number(query, name: str, default: float, lo: float, hi: float, *, lo_o
     return value
 
 
+def grpc_call_counts() -> dict[str, int]:
+    """Calls gRPC itself counted on this process's gRPC servers (channelz): started, succeeded, failed.
+
+    ``failed`` includes the calls gRPC refused before the edge saw them (a body over the transport cap,
+    the concurrent-call limit), which carry no veriroll reason. Empty where channelz is not available.
+    """
+    try:
+        from grpc._cython import cygrpc  # channelz's only API short of the grpcio-channelz package
+
+        servers = json.loads(cygrpc.channelz_get_servers(0)).get("server", [])
+    except (ImportError, AttributeError, ValueError):
+        return {}
+    totals = {"started": 0, "succeeded": 0, "failed": 0}
+    for server in servers:
+        data = server.get("data", {})
+        for result in totals:
+            totals[result] += int(data.get("calls" + result.capitalize(), 0))
+    return totals
+
+
 def make_app(coord, source: StatusSource) -> web.Application:
     metrics = coord.service.metrics
+    grpc_calls = metrics.registry.gauge("veriroll_grpc_calls", "calls gRPC counted since start by result (started, "
+                                        "succeeded, failed); failed includes refusals before the edge, such as "
+                                        "bodies over the transport cap", ("result",))
 
     async def metrics_handler(request: web.Request) -> web.Response:
         summary = await coord.service.refresh_gauges()
         metrics.open_leases.set(summary["open_leases"])
+        for result, n in grpc_call_counts().items():
+            grpc_calls.set(n, result=result)
         return web.Response(text=metrics.registry.render(), content_type="text/plain",
                             headers={"Cache-Control": "no-cache"}, charset="utf-8")
 
@@ -345,7 +382,7 @@ def make_app(coord, source: StatusSource) -> web.Application:
         response.headers.update(SECURITY_HEADERS)
         return response
 
-    app = web.Application(middlewares=[security_headers])
+    app = web.Application(middlewares=[_head_deadlines, security_headers], client_max_size=MAX_BODY_BYTES)
     app.router.add_get("/", index)
     app.router.add_get("/metrics", metrics_handler)
     app.router.add_get("/healthz", healthz)
@@ -366,13 +403,24 @@ async def _relay_loop(source: StatusSource) -> None:
 
 async def start_http(coord) -> web.AppRunner:
     """Serve the operator's HTTP port for ``coord``; sets ``coord.http_port`` and registers cleanup."""
+    server_cfg = coord.cfg.server
     source = StatusSource(coord)
     app = make_app(coord, source)
-    runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
+    # The head deadlines of _LimitedConnection decide (and count) when an idle connection goes; aiohttp's
+    # own keep-alive timer is set past them, a backstop only.
+    backstop_s = 2 * max(server_cfg.idle_timeout_s, server_cfg.handshake_timeout_s)
+    runner = web.AppRunner(app, access_log=None, handler_cancellation=True, shutdown_timeout=SHUTDOWN_WAIT_S,
+                           keepalive_timeout=backstop_s, max_line_size=MAX_REQUEST_LINE,
+                           max_field_size=MAX_HEADER_FIELD, max_headers=MAX_HEADERS)
     await runner.setup()
-    site = web.TCPSite(runner, coord.cfg.server.host, coord.cfg.server.http_port, reuse_address=True)
+    limits = ConnectionLimits(PeerGate(server_cfg.http_connections_per_address),
+                              first_head_s=server_cfg.handshake_timeout_s, idle_s=server_cfg.idle_timeout_s,
+                              refused=coord.service.metrics.registry.counter(
+                                  "veriroll_http_refused_total", "connections to the HTTP port closed by a limit, "
+                                  "by reason (connections_per_address, request_head_timeout)", ("reason",)))
+    site = _LimitedSite(runner, server_cfg.host, server_cfg.http_port, limits)
     await site.start()
-    coord.http_port = int(runner.addresses[0][1])
+    coord.http_port = site.port
     coord.http_status = source
     poller = asyncio.create_task(_relay_loop(source), name="veriroll-relay-poll")
 
@@ -385,5 +433,127 @@ async def start_http(coord) -> web.AppRunner:
         await runner.cleanup()
 
     coord.closers.append(close)
-    log.info("dashboard and metrics on http://%s:%d/", coord.cfg.server.host, coord.http_port)
+    log.info("dashboard and metrics on http://%s:%d/", server_cfg.host, coord.http_port)
     return runner
+
+
+# --- connection limits ----------------------------------------------------------------------------------
+# aiohttp has no per-address connection limit and no deadline for a request head (a client sending its
+# headers a byte at a time held a connection for as long as it liked), so each accepted connection is
+# wrapped before aiohttp sees it.
+
+
+@dataclass
+class ConnectionLimits:
+    """What one HTTP port allows: connections per address, and how long a request head may take to arrive
+    (``first_head_s`` from connecting, ``idle_s`` from the end of the previous request)."""
+
+    connections: PeerGate
+    first_head_s: float
+    idle_s: float
+    refused: Counter
+
+
+class _LimitedConnection(asyncio.Protocol):
+    """One accepted connection in front of aiohttp's protocol: counted against its address's limit (closed
+    at once over it, before aiohttp sees it), and closed unless each request head arrives before its deadline."""
+
+    def __init__(self, make_inner, limits: ConnectionLimits):
+        self._make_inner, self._limits = make_inner, limits
+        self._inner: asyncio.Protocol | None = None  # aiohttp's protocol, made once the connection is admitted
+        self._address = ""
+        self._transport: asyncio.Transport | None = None
+        self._deadline: asyncio.TimerHandle | None = None
+        self._served = 0
+
+    def connection_made(self, transport: asyncio.Transport) -> None:
+        peer = transport.get_extra_info("peername")
+        address = str(peer[0]) if peer else "unknown"
+        if not self._limits.connections.acquire(address):
+            self._limits.refused.inc(reason="connections_per_address")
+            transport.abort()
+            return
+        self._address, self._transport, self._inner = address, transport, self._make_inner()
+        self._expect_head(self._limits.first_head_s)
+        self._inner.connection_made(transport)
+
+    def data_received(self, data: bytes) -> None:
+        if self._inner is not None:
+            self._inner.data_received(data)
+
+    def eof_received(self) -> bool | None:
+        return self._inner.eof_received() if self._inner is not None else None
+
+    def pause_writing(self) -> None:
+        if self._inner is not None:
+            self._inner.pause_writing()
+
+    def resume_writing(self) -> None:
+        if self._inner is not None:
+            self._inner.resume_writing()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self._inner is None:
+            return
+        self._cancel_deadline()
+        self._limits.connections.release(self._address)
+        inner, self._inner = self._inner, None
+        inner.connection_lost(exc)
+
+    def request_started(self) -> None:
+        self._cancel_deadline()
+
+    def request_finished(self) -> None:
+        self._served += 1
+        if self._inner is not None:
+            self._expect_head(self._limits.idle_s)
+
+    def _expect_head(self, within_s: float) -> None:
+        self._cancel_deadline()
+        self._deadline = asyncio.get_running_loop().call_later(within_s, self._head_too_late)
+
+    def _cancel_deadline(self) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+            self._deadline = None
+
+    def _head_too_late(self) -> None:
+        self._deadline = None
+        if self._served == 0:  # idle after answered requests is ordinary keep-alive; before any, it is not
+            self._limits.refused.inc(reason="request_head_timeout")
+        self._transport.abort()
+
+
+@web.middleware
+async def _head_deadlines(request: web.Request, handler):
+    """A request being served has no head deadline; the next head's runs from the end of this one."""
+    connection = request.transport.get_protocol() if request.transport is not None else None
+    if not isinstance(connection, _LimitedConnection):
+        return await handler(request)
+    connection.request_started()
+    try:
+        return await handler(request)
+    finally:
+        connection.request_finished()
+
+
+class _LimitedSite(web.BaseSite):
+    """A TCP site whose connections go through :class:`_LimitedConnection`."""
+
+    def __init__(self, runner: web.BaseRunner, host: str, port: int, limits: ConnectionLimits):
+        super().__init__(runner)
+        self._host, self._port, self._limits = host, port, limits
+
+    @property
+    def port(self) -> int:
+        return int(self._server.sockets[0].getsockname()[1]) if self._server is not None else self._port
+
+    @property
+    def name(self) -> str:
+        return f"http://{self._host}:{self.port}"
+
+    async def start(self) -> None:
+        await super().start()
+        make_protocol, limits = self._runner.server, self._limits
+        self._server = await asyncio.get_running_loop().create_server(
+            lambda: _LimitedConnection(make_protocol, limits), self._host, self._port, reuse_address=True)
