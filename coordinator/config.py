@@ -41,6 +41,8 @@ class ServerConfig(_Section):
                                           "its /64); more are refused as rate_limited. Raise it for many nodes behind one NAT")
     http_connections_per_address: int = Field(16, ge=1, description="connections to the HTTP port open at once from one "
                                               "address (IPv6: its /64); more are closed at once and counted")
+    body_timeout_s: float = Field(10.0, gt=0, description="a gRPC call's request body must arrive within this after its "
+                                  "headers (it is read only once the address has a free slot and the call a deadline)")
 
 
 class LeaseConfig(_Section):

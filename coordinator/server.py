@@ -34,7 +34,10 @@ class _Edge(grpc.GenericRpcHandler):
     def __init__(self, service: CoordinatorService):
         self.svc = service
         self._handlers = {
-            full_method(name): grpc.unary_unary_rpc_method_handler(
+            # Stream-unary on our side (a unary client is unchanged): the handler runs on the headers alone
+            # and reads the one request message itself, after the per-address and deadline checks and
+            # under a time limit, instead of gRPC holding a call slot until a stalled body arrives.
+            full_method(name): grpc.stream_unary_rpc_method_handler(
                 self._make(name), request_deserializer=None, response_serializer=lambda m: m.SerializeToString())
             for name in METHODS
         }
@@ -48,10 +51,16 @@ class _Edge(grpc.GenericRpcHandler):
     def _make(self, name: str):
         svc = self.svc
 
-        async def handle(body: bytes, context: grpc.aio.ServicerContext):
+        async def handle(requests, context: grpc.aio.ServicerContext):
             start = time.perf_counter()
+
+            async def read_body() -> bytes | None:
+                async for body in requests:  # the first message; a unary client sends exactly one
+                    return body
+                return None
+
             try:
-                return await svc.call(name, body, context.invocation_metadata(), peer_address(context.peer()),
+                return await svc.call(name, read_body, context.invocation_metadata(), peer_address(context.peer()),
                                       has_deadline=context.time_remaining() is not None)
             except Refusal as refusal:  # counted by the service; here only mapped to a status code
                 context.set_trailing_metadata(((REASON_TRAILER, refusal.reason.value),))

@@ -10,11 +10,12 @@ gRPC status codes.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import random
 import sqlite3
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from google.protobuf.message import DecodeError
@@ -32,6 +33,7 @@ from veriroll.coordinator.intake import (
 )
 from veriroll.coordinator.leases import LeaseDesk, random_seeds
 from veriroll.coordinator.ledger import Ledger, NodeInfo
+from veriroll.coordinator.limits import PeerGate, address_key
 from veriroll.coordinator.metrics import CoordinatorMetrics
 from veriroll.coordinator.policy import PolicyState
 from veriroll.coordinator.prompts import PromptRenderer
@@ -95,6 +97,7 @@ class CoordinatorService:
                              probation_groups=cfg.intake.probation_groups)
         self.door = Door(cfg, self.ledger, now)
         self.new_identities = NewIdentityLimiter.from_config(cfg.identity)
+        self.peer_gate = PeerGate(cfg.server.max_inflight_per_address)
         self._log_identity_policy()
         # Verifier time per node key, address and network: shared by the lease desk (no work for a node
         # whose groups could not be verified now) and the intake (which pays what verification cost).
@@ -112,14 +115,29 @@ class CoordinatorService:
 
     # --- one request --------------------------------------------------------------------------------
 
-    async def call(self, name: str, body: bytes, metadata, peer: str, *, has_deadline: bool = True):
+    async def call(self, name: str, body: bytes | Callable[[], Awaitable[bytes | None]], metadata, peer: str, *,
+                   has_deadline: bool = True):
         """Serve one request of method ``name``: ``body`` as received (the signature covers exactly these
-        bytes), ``metadata`` the call's headers. Returns the response message; raises :class:`Refusal`,
-        which is counted exactly once whichever part refused."""
+        bytes), or a coroutine function that reads it, ``metadata`` the call's headers. Returns the response
+        message; raises :class:`Refusal`, which is counted exactly once whichever part refused.
+
+        Before the body is read (and so before it costs memory), the address must have a free slot of its
+        ``server.max_inflight_per_address`` and the call a deadline; the read itself is bounded by
+        ``server.body_timeout_s``, so a client that sends headers and then nothing holds nothing for long.
+        """
+        with self.peer_gate.hold(peer) as admitted:
+            return await self._call(name, body, metadata, peer, has_deadline, admitted)
+
+    async def _call(self, name: str, body, metadata, peer: str, has_deadline: bool, admitted: bool):
         node_id = ""
         try:
+            if not admitted:
+                raise Refusal(Reason.RATE_LIMITED, f"more than {self.peer_gate.limit} requests in flight from "
+                                                   f"{address_key(peer)}")
             if not has_deadline:
                 raise Refusal(Reason.DEADLINE_REQUIRED)
+            if not isinstance(body, bytes):
+                body = await self._read_body(body)
             cap = self.cfg.server.max_message_bytes
             if len(body) > cap:
                 raise Refusal(Reason.MESSAGE_TOO_LARGE, f"{len(body)} bytes > {cap} accepted")
@@ -158,6 +176,17 @@ class CoordinatorService:
             self.metrics.requests.inc(method=name, result=Reason.INTERNAL.value)
             await self.ledger.refuse(node_id, Reason.INTERNAL, f"internal error in {name}")
             raise Refusal(Reason.INTERNAL, counted=True) from exc
+
+    async def _read_body(self, read: Callable[[], Awaitable[bytes | None]]) -> bytes:
+        timeout = self.cfg.server.body_timeout_s
+        try:
+            body = await asyncio.wait_for(read(), timeout)
+        except TimeoutError:
+            raise Refusal(Reason.MALFORMED, f"the request's body did not arrive within {timeout:g} s") from None
+        if body is None:
+            raise Refusal(Reason.MALFORMED, "the call ended without a request message (or gRPC refused it, e.g. over "
+                                            "max_message_bytes)")
+        return body
 
     async def admit(self, method: str, name: str, body: bytes, headers: SignedHeaders, peer: str) -> NodeInfo | None:
         return await self.door.admit(method, name, body, headers, peer)

@@ -307,6 +307,7 @@ class Database:
         self._q: queue.Queue[_Op | None] = queue.Queue()
         self._thread = threading.Thread(target=self._loop, name="veriroll-db", daemon=True)
         self._closed = False
+        self._closing = threading.Lock()
         self._reader = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="veriroll-db-read")
         self._local = threading.local()
         self._reader_conns: list[sqlite3.Connection] = []
@@ -393,11 +394,17 @@ class Database:
         else:
             _answer([(op, True, value)])
 
+    def _enqueue(self, op: _Op) -> None:
+        # Under the lock that close() takes: an op is either queued before the stop marker (and answered)
+        # or refused, never queued behind it to wait forever.
+        with self._closing:
+            if self._closed:
+                raise RuntimeError("database is closed")
+            self._q.put(op)
+
     def submit(self, fn: Callable[[sqlite3.Connection], T]) -> concurrent.futures.Future:
-        if self._closed:
-            raise RuntimeError("database is closed")
         fut: concurrent.futures.Future = concurrent.futures.Future()
-        self._q.put(_Op(fn, fut))
+        self._enqueue(_Op(fn, fut))
         return fut
 
     def run_sync(self, fn: Callable[[sqlite3.Connection], T]) -> T:
@@ -405,18 +412,17 @@ class Database:
 
     async def run(self, fn: Callable[[sqlite3.Connection], T]) -> T:
         """Run ``fn`` in the writer's next transaction; returns once that transaction is committed."""
-        if self._closed:
-            raise RuntimeError("database is closed")
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
-        self._q.put(_Op(fn, fut, loop))
+        self._enqueue(_Op(fn, fut, loop))
         return await fut
 
     def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        self._q.put(None)
+        with self._closing:
+            if self._closed:
+                return
+            self._closed = True
+            self._q.put(None)
         self._thread.join(timeout=30)
         self._reader.shutdown(wait=True)
         for conn in self._reader_conns:

@@ -275,6 +275,43 @@ def test_bodies_over_the_cap_are_refused_counted_or_by_grpc_before_buffering(tmp
     assert metric(after, failed) - metric(before, failed) == 3
 
 
+def test_calls_whose_body_never_comes_are_cut_and_cannot_hold_an_address_s_slots(tmp_path):
+    """Headers, then nothing: such a call used to hold one of gRPC's call slots until the connection aged out.
+    Now it holds one of its address's slots for at most server.body_timeout_s, and is counted."""
+    base = make_coordinator_dir(tmp_path, {"server.max_inflight_per_address": 2, "server.body_timeout_s": 1.0})
+
+    async def scenario():
+        async with running_coordinator(base) as coord, node_client(coord) as stub:
+            channel = channel_to(coord)
+            never = asyncio.Event()
+
+            async def no_body():
+                await never.wait()
+                yield b""  # never reached
+
+            async def stall():
+                return await channel.stream_unary(full_method("Heartbeat"))(no_body(), timeout=60)
+
+            stalled = [asyncio.create_task(stall()) for _ in range(2)]
+            await asyncio.sleep(0.3)  # both are in the coordinator's hands, waiting for their bodies
+            with pytest.raises(CallError) as crowded:
+                await stub.heartbeat(pb.HeartbeatRequest())
+            outcomes = []
+            for task in stalled:
+                with pytest.raises(grpc.aio.AioRpcError) as info:
+                    await task
+                outcomes.append((info.value.code(), dict(info.value.trailing_metadata() or ()).get("x-veriroll-reason")))
+            after = await stub.heartbeat(pb.HeartbeatRequest())  # the address's slots are free again
+            await channel.close()
+            return crowded.value, outcomes, after, coord.db.run_sync(st.status_summary)
+
+    crowded, outcomes, after, summary = run(scenario())
+    assert crowded.reason == "rate_limited" and "in flight" in crowded.details
+    assert outcomes == [(grpc.StatusCode.INVALID_ARGUMENT, "malformed")] * 2
+    assert after.server_time_ms > 0
+    assert summary["rejections_by_reason"] == {"rate_limited": 1, "malformed": 2}
+
+
 # --- stopping -------------------------------------------------------------------------------------------
 
 
