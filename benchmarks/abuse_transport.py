@@ -188,7 +188,10 @@ async def _idle_attack(coord: RunningCoordinator, per_kind: int, limit_s: float)
     results = await asyncio.gather(*(c for coros in kinds.values() for c in coros), return_exceptions=True)
     by_kind: dict[str, list] = {n: [] for n in kinds}
     for name, r in zip(names, results, strict=True):
-        by_kind[name].append(None if isinstance(r, BaseException) else r)
+        # A connection that could not even be opened (the listen backlog overflowed under 600 connects at
+        # once) is left out: what is measured is how long the ones that got in may stay.
+        if not isinstance(r, BaseException):
+            by_kind[name].append(r)
     return by_kind
 
 
@@ -212,7 +215,7 @@ def idle_connections(quick: bool = True, idle_timeout_s: float = 5.0) -> dict:
     grpc_closed = sum(len(closed(k)) for k in grpc_kinds)
     grpc_total = sum(len(by_kind[k]) for k in grpc_kinds)
     all_times = [t for k in by_kind for t in by_kind[k]]
-    slowloris = by_kind["slowloris_http"][0]
+    slowloris = by_kind["slowloris_http"][0] if by_kind["slowloris_http"] else None
     return {
         "idle_connections_closed_within_s": (round(max(all_times), 2) if all(t is not None for t in all_times)
                                              else None),
@@ -220,6 +223,8 @@ def idle_connections(quick: bool = True, idle_timeout_s: float = 5.0) -> dict:
         "idle_grpc_opened": grpc_total,
         "idle_http_closed": len(closed("raw_tcp_http")),
         "idle_http_opened": len(by_kind["raw_tcp_http"]),
+        "attempted_per_kind": {k: (1 if k == "slowloris_http" else 3 * per_kind if k == "raw_tcp_http" else per_kind)
+                               for k in by_kind},
         "slowloris_cut_within_s": round(slowloris, 2) if slowloris is not None else None,
         "closed_within_s_by_kind": {k: round(max(closed(k)), 2) if closed(k) else None for k in by_kind},
         "idle_timeout_s": idle_timeout_s,
