@@ -130,7 +130,7 @@ async def start_coordinator(base_dir: str | Path, *, overrides=(), cfg: Coordina
     cfg = cfg or load_coordinator_config(base, overrides)
     policy_store = PolicyStore(resolve_path(base, cfg.checkpoints))
     verifier = build_verifier(cfg, policy_store)  # first: a broken install stops here, before anything is opened
-    db = st.Database(resolve_path(base, cfg.database))
+    db = st.Database(st.database_target(base, cfg.database))
     version = db.run_sync(lambda c: st.kv_get(c, "policy_version", None))
     if version is None:
         version = policy_store.latest()

@@ -153,7 +153,7 @@ def _init(args, base: Path) -> dict:
     key = write_keypair(resolve_path(base, cfg.key), force=True)
     create_tls(resolve_path(base, cfg.server.tls_cert).parent, hostnames=tuple(args.hostname))
     policy.install(tmp, 0)
-    db = st.Database(resolve_path(base, cfg.database))
+    db = st.Database(st.database_target(base, cfg.database))
     db.run_sync(lambda c: st.kv_set(c, "policy_version", 0))
     db.close()
     return {"dir": str(base), "preset": preset or None, "coordinator_key": str(resolve_path(base, cfg.key)) + ".pub",
@@ -220,7 +220,7 @@ def _open_db(args) -> tuple[st.Database, CoordinatorConfig]:
 
     base = Path(args.dir).resolve()
     cfg = load_coordinator_config(base)
-    return st.Database(resolve_path(base, cfg.database)), cfg
+    return st.Database(st.database_target(base, cfg.database)), cfg
 
 
 def _query(args, *ops, with_config: bool = False):

@@ -172,7 +172,7 @@ class ShardcastConfig(_Section):
 
 class CoordinatorConfig(_Section):
     key: str = Field("coordinator.key", description="coordinator Ed25519 private key (signs manifests)")
-    database: str = Field("state.db", description="SQLite database with nodes, leases, groups and the ledger")
+    database: str = Field("state.db", description="the store of nodes, leases, groups and the ledger: a SQLite file (one process, zero set-up) or a postgresql:// URL (psycopg 3; pip install 'veriroll[postgres]')")
     checkpoints: str = Field("checkpoints", description="directory of policy versions (HF format) and trainer state")
     model_dtype: str = Field("float32", description="dtype of the trusted model and of published checkpoints: float32 or bfloat16")
     model_source: str = Field("", description="where version 0 came from (model dir, hub id, .gguf or builtin:NAME; informational)")

@@ -25,7 +25,10 @@ from typing import Any, TypeVar
 
 import numpy as np
 
+from veriroll.coordinator import store_pg
+
 T = TypeVar("T")
+DB_ERRORS: tuple[type[BaseException], ...] = (sqlite3.Error, *store_pg.errors())
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS nodes (
@@ -227,8 +230,20 @@ def unpack_f32(blob: bytes | None) -> np.ndarray | None:
     return None if blob is None else np.frombuffer(blob, dtype="<f4")
 
 
+def database_target(base_dir: Path, value: str) -> str | Path:
+    """Where ``database`` in a coordinator's config points: a ``postgresql://`` URL as it is, a SQLite file
+    relative to the coordinator's directory."""
+    if store_pg.is_url(value):
+        return value
+    path = Path(value).expanduser()
+    return path if path.is_absolute() else base_dir / path
+
+
 def connect(path: str | Path) -> sqlite3.Connection:
-    """Open the database with the settings veriroll relies on (WAL, full fsync, foreign keys)."""
+    """Open the database: a SQLite file with the settings veriroll relies on (WAL, full fsync), or a
+    ``postgresql://`` URL (``store_pg.py``)."""
+    if store_pg.is_url(path):
+        return store_pg.connect(path)
     conn = sqlite3.connect(str(path), isolation_level=None, check_same_thread=False, timeout=30.0)
     conn.row_factory = sqlite3.Row
     conn.execute("PRAGMA journal_mode=WAL")
@@ -302,7 +317,7 @@ class Database:
     MAX_BATCH = 512
 
     def __init__(self, path: str | Path):
-        self.path = Path(path)
+        self.path = path if store_pg.is_url(path) else Path(path)
         self.conn = connect(self.path)
         self._q: queue.Queue[_Op | None] = queue.Queue()
         self._thread = threading.Thread(target=self._loop, name="veriroll-db", daemon=True)
@@ -355,7 +370,7 @@ class Database:
         except BaseException as exc:  # noqa: BLE001 - the whole batch failed to commit: tell everyone
             try:
                 self.conn.execute("ROLLBACK")
-            except sqlite3.Error:
+            except DB_ERRORS:
                 pass
             _answer([(op, False, exc) for op in batch])
             return
@@ -448,7 +463,7 @@ def count_rejection(conn: sqlite3.Connection, node_id: str, reason: str, lease_i
     """Count a rejection per (node, reason); keep the event itself only for authenticated nodes."""
     conn.execute(
         "INSERT INTO rejection_counts(node_id, reason, count) VALUES(?, ?, 1) "
-        "ON CONFLICT(node_id, reason) DO UPDATE SET count = count + 1",
+        "ON CONFLICT(node_id, reason) DO UPDATE SET count = rejection_counts.count + 1",
         (node_id, reason),
     )
     if log and node_id:
@@ -626,12 +641,12 @@ def take_pending_prompt(conn: sqlite3.Connection) -> tuple[int, list[int], str] 
 def insert_leased_prompt(conn: sqlite3.Connection, env: str, text: str, answer: str, meta: dict,
                          prompt_ids: list[int]) -> int:
     """Store a freshly drawn prompt as leased and count the draw (``prompts_drawn``, to resume the stream)."""
-    cur = conn.execute("INSERT INTO prompts(env, text, answer, meta, prompt_ids, state, attempts) "
-                       "VALUES(?, ?, ?, ?, ?, ?, 1)",
-                       (env, text, answer, json.dumps(meta), pack_i32(prompt_ids), PromptState.LEASED))
+    row = conn.execute("INSERT INTO prompts(env, text, answer, meta, prompt_ids, state, attempts) "
+                       "VALUES(?, ?, ?, ?, ?, ?, 1) RETURNING prompt_id",
+                       (env, text, answer, json.dumps(meta), pack_i32(prompt_ids), PromptState.LEASED)).fetchone()
     conn.execute("INSERT INTO kv(key, value) VALUES('prompts_drawn', '1') "
-                 "ON CONFLICT(key) DO UPDATE SET value = CAST(value AS INTEGER) + 1")
-    return int(cur.lastrowid)
+                 "ON CONFLICT(key) DO UPDATE SET value = CAST(kv.value AS INTEGER) + 1")
+    return int(row[0])
 
 
 def prompts_drawn(conn: sqlite3.Connection) -> int:
@@ -710,13 +725,13 @@ def accept_group(conn: sqlite3.Connection, group: AcceptedGroup, *, probation_gr
     if n != 1:
         return None
     mean_reward = sum(group.rewards) / len(group.rewards) if group.rewards else 0.0
-    cur = conn.execute(
+    row = conn.execute(
         "INSERT INTO groups(lease_id, node_id, prompt_id, env, policy_version, temperature, arrival_ms, content_hash, "
-        "tokens, mean_reward, verified) VALUES(?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+        "tokens, mean_reward, verified) VALUES(?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) RETURNING group_id",
         (group.lease_id, group.node_id, group.prompt_id, group.env, group.policy_version, group.temperature,
          group.arrival_ms, group.content_hash, group.tokens, mean_reward, int(group.verified)),
-    )
-    gid = int(cur.lastrowid)
+    ).fetchone()
+    gid = int(row[0])
     conn.executemany(
         "INSERT INTO samples(group_id, idx, token_ids, logprobs, trusted_logprobs, reward, finish_reason) "
         "VALUES(?, ?, ?, ?, ?, ?, ?)",

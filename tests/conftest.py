@@ -40,3 +40,30 @@ def smollm2_dir():
         return cached_builtin_model("smollm2-135m-instruct")
     except ModelLoadError as exc:  # only where setup.sh did not run: say what is missing
         pytest.skip(f"the real test model is not available: {exc}")
+
+
+@pytest.fixture(scope="session")
+def pg_cluster():
+    """A throwaway PostgreSQL cluster for the session (tests/pg_cluster.py); skipped where none can run."""
+    from pg_cluster import Cluster, unavailable
+
+    why = unavailable()
+    if why is not None:
+        pytest.skip(why)
+    cluster = Cluster()
+    yield cluster
+    cluster.stop()
+
+
+@pytest.fixture()
+def pg_url(pg_cluster) -> str:
+    """A fresh, empty PostgreSQL database for one test."""
+    return pg_cluster.new_database()
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def store_target(request, tmp_path):
+    """The store's location on each backend: a SQLite file, or a fresh PostgreSQL database."""
+    if request.param == "sqlite":
+        return tmp_path / "state.db"
+    return request.getfixturevalue("pg_url")

@@ -54,7 +54,7 @@ def make_coordinator_dir(root: Path, overrides: dict | None = None, *, tls: bool
     settings.update(overrides or {})
     cfg = load_config(CoordinatorConfig, overrides=settings)
     (base / "coordinator.toml").write_text(dump_toml(cfg))
-    db = st.Database(base / cfg.database)
+    db = st.Database(st.database_target(base, cfg.database))
     db.run_sync(lambda c: st.kv_set(c, "policy_version", 0))
     db.close()
     return base

@@ -21,8 +21,8 @@ def counted(conn) -> int:
     return conn.execute("SELECT COUNT(*) FROM groups WHERE consumed_step IS NULL AND dropped IS NULL").fetchone()[0]
 
 
-def test_queued_groups_follows_accepts_consumption_drops_and_deletes(tmp_path):
-    conn = st.connect(tmp_path / "state.db")
+def test_queued_groups_follows_accepts_consumption_drops_and_deletes(store_target):
+    conn = st.connect(store_target)
     for i in range(10):
         insert_group(conn, i)
     assert st.queued_groups(conn) == counted(conn) == 10
@@ -51,8 +51,8 @@ def test_queued_groups_starts_from_the_rows_of_an_older_database(tmp_path):
     conn.close()
 
 
-def test_an_async_caller_that_gave_up_is_skipped_and_the_writer_goes_on(tmp_path):
-    db = st.Database(tmp_path / "state.db")
+def test_an_async_caller_that_gave_up_is_skipped_and_the_writer_goes_on(store_target):
+    db = st.Database(store_target)
     ran: list[str] = []
     started, gate = threading.Event(), threading.Event()
 
@@ -74,8 +74,8 @@ def test_an_async_caller_that_gave_up_is_skipped_and_the_writer_goes_on(tmp_path
     assert ran == ["next"]
 
 
-def test_an_op_that_raises_rolls_back_alone_and_reaches_its_async_caller(tmp_path):
-    db = st.Database(tmp_path / "state.db")
+def test_an_op_that_raises_rolls_back_alone_and_reaches_its_async_caller(store_target):
+    db = st.Database(store_target)
 
     def bad(conn):
         st.kv_set(conn, "bad", 1)
