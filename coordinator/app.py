@@ -19,10 +19,10 @@ from veriroll.coordinator.http import start_http
 from veriroll.coordinator.limits import release_freed_memory
 from veriroll.coordinator.metrics import CoordinatorMetrics
 from veriroll.coordinator.policy import PolicyStore
-from veriroll.coordinator.publisher import start_publisher
+from veriroll.coordinator.publisher import ANNOUNCEMENT_KEY, start_publisher
 from veriroll.coordinator.server import read_tls, start_server
 from veriroll.coordinator.service import CoordinatorService, PolicyState
-from veriroll.protos.config import load_config, resolve_path
+from veriroll.protos.config import ConfigError, load_config, resolve_path
 from veriroll.protos.identity import load_private_key
 
 log = logging.getLogger("veriroll.coordinator")
@@ -156,17 +156,27 @@ async def start_coordinator(base_dir: str | Path, *, overrides=(), cfg: Coordina
 
 
 async def _start_parts(coord: Coordinator, key) -> None:
+    """The parts of ``cfg.role``: 'all' runs every part in this process; 'edge' the gRPC and HTTP ports and
+    the intake (the trainer and the publisher run elsewhere, against the same PostgreSQL store); 'trainer'
+    the trainer and the publisher with its origin relay."""
     cfg, base = coord.cfg, coord.base_dir
+    role = cfg.role
+    if role != "all" and not st.store_pg.is_url(str(cfg.database)):
+        raise ConfigError(f"role {role!r} shares its state with other processes: set database to a postgresql:// URL")
     # Publisher and origin relay (shardcast) first, so GetPolicy can name them from the first call.
-    if cfg.shardcast.origin_port >= 0:
+    if cfg.shardcast.origin_port >= 0 and role != "edge":
         await start_publisher(coord, key)
-    tls = None
-    if cfg.server.tls:
-        tls = read_tls(resolve_path(base, cfg.server.tls_cert), resolve_path(base, cfg.server.tls_key))
-    server, port, _ = await start_server(coord.service, host=cfg.server.host, port=cfg.server.port, tls=tls)
-    coord.server, coord.grpc_port = server, port
+    if role != "trainer":
+        tls = None
+        if cfg.server.tls:
+            tls = read_tls(resolve_path(base, cfg.server.tls_cert), resolve_path(base, cfg.server.tls_key))
+        server, port, _ = await start_server(coord.service, host=cfg.server.host, port=cfg.server.port, tls=tls)
+        coord.server, coord.grpc_port = server, port
     await start_http(coord)
-    if cfg.trainer.enabled:
+    if role == "edge":
+        # The trainer of another process moves the policy on; this edge follows what the store says.
+        coord.tasks.append(asyncio.create_task(_follow_policy(coord), name="veriroll-follow-policy"))
+    if cfg.trainer.enabled and role != "edge":
         # Imported here (unconditionally when enabled) only because it is heavy; an ImportError propagates.
         from veriroll.coordinator.trainer import start_trainer
 
@@ -180,8 +190,27 @@ async def _start_parts(coord: Coordinator, key) -> None:
     tmp = base / (PORTS_NAME + ".tmp")
     tmp.write_text(json.dumps(ports))
     tmp.replace(base / PORTS_NAME)
-    log.info("coordinator serving on %s (%s), policy version %d, verification %s", coord.address,
-             "TLS" if cfg.server.tls else "plaintext", coord.service.policy.version, verification_state(cfg))
+    log.info("coordinator (role %s) serving on %s (%s), policy version %d, verification %s", role,
+             coord.address if coord.server is not None else "no gRPC port", "TLS" if cfg.server.tls else "plaintext",
+             coord.service.policy.version, verification_state(cfg))
+
+
+async def _follow_policy(coord: Coordinator, every_s: float = 1.0) -> None:
+    """An edge's view of the policy: the version the trainer committed, and where the publisher announced it."""
+    while True:
+        try:
+            version, announced = await coord.db.run_read(
+                lambda c: (int(st.kv_get(c, "policy_version", 0)), st.kv_get(c, ANNOUNCEMENT_KEY, None)))
+            policy = coord.service.policy
+            if announced and int(announced.get("version", -1)) >= policy.version:
+                policy.relays = list(announced.get("relays", policy.relays))
+                policy.manifest_path = announced.get("manifest_path", policy.manifest_path)
+            if version > policy.version:
+                policy.advance(version)
+                coord.service.metrics.policy_version.set(version)
+        except Exception:  # keep following; one failed read must not freeze the edge's policy
+            log.exception("reading the policy version from the store failed")
+        await asyncio.sleep(every_s)
 
 
 async def _housekeeping(coord: Coordinator) -> None:
@@ -190,6 +219,8 @@ async def _housekeeping(coord: Coordinator) -> None:
         try:
             now = coord.service.clock()
             expired = await coord.db.run(lambda c, now=now: coord.service.expire_leases(c, now))
+            if coord.service.door.shared_nonces:
+                await coord.db.run(lambda c, now=now: st.forget_nonces(c, now))
             if expired:
                 coord.service.metrics.leases_expired.inc(expired)
             await coord.service.refresh_gauges()

@@ -41,6 +41,8 @@ class ServerConfig(_Section):
                                           "its /64); more are refused as rate_limited. Raise it for many nodes behind one NAT")
     http_connections_per_address: int = Field(16, ge=1, description="connections to the HTTP port open at once from one "
                                               "address (IPv6: its /64); more are closed at once and counted")
+    reuse_port: bool = Field(False, description="bind the gRPC and HTTP ports with SO_REUSEPORT, so that several edge "
+                             "processes on one host share them (the kernel spreads connections); role 'edge' sets it")
     body_timeout_s: float = Field(10.0, gt=0, description="a gRPC call's request body must arrive within this after its "
                                   "headers (it is read only once the address has a free slot and the call a deadline)")
 
@@ -171,6 +173,9 @@ class ShardcastConfig(_Section):
 
 
 class CoordinatorConfig(_Section):
+    role: str = Field("all", pattern="^(all|edge|trainer)$", description="what this process runs: 'all' (one process: "
+                      "edge, verification, trainer, origin relay), 'edge' (gRPC and HTTP, intake with verification; "
+                      "several share a PostgreSQL store and their ports), 'trainer' (trainer and origin relay)")
     key: str = Field("coordinator.key", description="coordinator Ed25519 private key (signs manifests)")
     database: str = Field("state.db", description="the store of nodes, leases, groups and the ledger: a SQLite file (one process, zero set-up) or a postgresql:// URL (psycopg 3; pip install 'veriroll[postgres]')")
     checkpoints: str = Field("checkpoints", description="directory of policy versions (HF format) and trainer state")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from veriroll.coordinator import store as st
 from veriroll.coordinator.admission import NonceStore, RateLimiter
 from veriroll.coordinator.config import CoordinatorConfig
 from veriroll.coordinator.ledger import Ledger, NodeInfo
@@ -40,12 +41,20 @@ def bounded_detail(detail: str) -> str:
 
 
 class Door:
-    def __init__(self, cfg: CoordinatorConfig, ledger: Ledger, clock: Callable[[], int]):
+    """``shared_nonces``: nonces are recorded in the store (``store.use_nonce``) rather than in this
+    process's memory, so that a request replayed to another edge process sharing the store is refused
+    too, and a restart forgets nothing; requests signed before this process started are then fine."""
+
+    def __init__(self, cfg: CoordinatorConfig, ledger: Ledger, clock: Callable[[], int], *, db=None,
+                 shared_nonces: bool = False):
         s = cfg.server
         self.cfg = cfg
         self.ledger = ledger
         self.clock = clock
-        self.nonces = NonceStore(int(s.timestamp_window_s * 1000), not_before_ms=clock() - 1000)
+        self.db = db
+        self.shared_nonces = shared_nonces
+        self.window_ms = int(s.timestamp_window_s * 1000)
+        self.nonces = NonceStore(self.window_ms, not_before_ms=0 if shared_nonces else clock() - 1000)
         self.key_limits = RateLimiter(s.key_rate_per_s, s.key_burst)
         self.peer_limits = RateLimiter(s.peer_rate_per_s, s.peer_burst)
 
@@ -68,7 +77,7 @@ class Door:
             raise Refusal(Reason.BAD_SIGNATURE)
         if skew is not None:
             raise Refusal(skew, "request was signed before the coordinator restarted; sign it again")
-        if not self.nonces.use(headers.public_key.raw, headers.nonce, headers.ts_ms, now):
+        if not await self._use_nonce(headers, now):
             raise Refusal(Reason.REPLAYED_NONCE)
         node = await self.ledger.lookup(headers.public_key.node_id)
         if node is not None and node.public_key != headers.public_key.raw:
@@ -80,3 +89,10 @@ class Door:
         if not self.key_limits.allow(headers.public_key.raw):
             raise Refusal(Reason.RATE_LIMITED, "too many requests for this key")
         return node
+
+    async def _use_nonce(self, headers: SignedHeaders, now: int) -> bool:
+        if not self.shared_nonces:
+            return self.nonces.use(headers.public_key.raw, headers.nonce, headers.ts_ms, now)
+        # Kept until its timestamp can no longer pass the window (as NonceStore keeps it).
+        expires = headers.ts_ms + self.window_ms + 1
+        return await self.db.run(lambda c: st.use_nonce(c, headers.public_key.raw, headers.nonce, expires))

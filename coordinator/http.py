@@ -418,7 +418,8 @@ async def start_http(coord) -> web.AppRunner:
                               refused=coord.service.metrics.registry.counter(
                                   "veriroll_http_refused_total", "connections to the HTTP port closed by a limit, "
                                   "by reason (connections_per_address, request_head_timeout)", ("reason",)))
-    site = _LimitedSite(runner, server_cfg.host, server_cfg.http_port, limits)
+    site = _LimitedSite(runner, server_cfg.host, server_cfg.http_port, limits,
+                        reuse_port=server_cfg.reuse_port or coord.cfg.role == "edge")
     await site.start()
     coord.http_port = site.port
     coord.http_status = source
@@ -540,9 +541,10 @@ async def _head_deadlines(request: web.Request, handler):
 class _LimitedSite(web.BaseSite):
     """A TCP site whose connections go through :class:`_LimitedConnection`."""
 
-    def __init__(self, runner: web.BaseRunner, host: str, port: int, limits: ConnectionLimits):
+    def __init__(self, runner: web.BaseRunner, host: str, port: int, limits: ConnectionLimits, *,
+                 reuse_port: bool = False):
         super().__init__(runner)
-        self._host, self._port, self._limits = host, port, limits
+        self._host, self._port, self._limits, self._reuse_port = host, port, limits, reuse_port
 
     @property
     def port(self) -> int:
@@ -556,4 +558,5 @@ class _LimitedSite(web.BaseSite):
         await super().start()
         make_protocol, limits = self._runner.server, self._limits
         self._server = await asyncio.get_running_loop().create_server(
-            lambda: _LimitedConnection(make_protocol, limits), self._host, self._port, reuse_address=True)
+            lambda: _LimitedConnection(make_protocol, limits), self._host, self._port, reuse_address=True,
+            reuse_port=self._reuse_port or None)

@@ -74,7 +74,9 @@ class LeaseDesk:
         self._budgets: OrderedDict[str, LeaseBudget] = OrderedDict()
         drawn = db.run_sync(st.prompts_drawn)
         # The prompt stream resumes where it stopped: its state is the seed and the number of draws.
-        self._rng = random.Random(f"{cfg.environment.seed}:{drawn}")
+        # Several edge processes draw from one stream each: a salt keeps them from drawing the same prompts.
+        salt = f":{secrets.token_hex(8)}" if cfg.role == "edge" else ""
+        self._rng = random.Random(f"{cfg.environment.seed}:{drawn}{salt}")
 
     def _draw_prompt(self, conn) -> tuple[int, list[int], str]:
         """Draw the next prompt of the stream and store it as leased: its id, token ids and environment."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
+from veriroll.coordinator import store as st
 from veriroll.protos.config import resolve_path
 from veriroll.protos.identity import PrivateKey
 from veriroll.shardcast.publish import publish_checkpoint
@@ -18,6 +19,9 @@ from veriroll.shardcast.relay import RelayServer
 from veriroll.shardcast.store import list_versions
 
 log = logging.getLogger("veriroll.coordinator.publisher")
+
+ANNOUNCEMENT_KEY = "policy_announcement"
+"""kv key of the newest published version, its manifest path and the relays that serve it."""
 
 
 async def start_publisher(coord, key: PrivateKey) -> None:
@@ -42,6 +46,10 @@ async def start_publisher(coord, key: PrivateKey) -> None:
                                              keep=cfg.keep_versions, link=True)
             relay.refresh(force=True)
             coord.service.policy.manifest_path = f"/versions/{version}/manifest"
+            # Edge processes (role 'edge') read where the version is announced from the store.
+            announcement = {"version": version, "manifest_path": coord.service.policy.manifest_path,
+                            "relays": list(coord.service.policy.relays)}
+            await coord.db.run(lambda c: st.kv_set(c, ANNOUNCEMENT_KEY, announcement))
             log.info("published version %d (%d bytes in %.2fs)", version, result.total_bytes, result.seconds)
 
     coord.publish_version = publish_version

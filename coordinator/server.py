@@ -88,7 +88,7 @@ def server_options(service: CoordinatorService) -> list[tuple[str, int]]:
         ("grpc.keepalive_timeout_ms", 20_000),
         ("grpc.max_connection_age_ms", 60 * 60_000),
         ("grpc.max_connection_age_grace_ms", 60_000),
-        ("grpc.so_reuseport", 0),
+        ("grpc.so_reuseport", int(server.reuse_port or service.cfg.role == "edge")),
     ]
 
 

@@ -95,7 +95,8 @@ class CoordinatorService:
                                                workers=ec.reward_workers)
         self.ledger = Ledger(db, self.metrics, now, max_strikes=cfg.intake.max_strikes,
                              probation_groups=cfg.intake.probation_groups)
-        self.door = Door(cfg, self.ledger, now)
+        # With a PostgreSQL store, other edge processes may share it: nonces go where all of them see them.
+        self.door = Door(cfg, self.ledger, now, db=db, shared_nonces=st.store_pg.is_url(str(db.path)))
         self.new_identities = NewIdentityLimiter.from_config(cfg.identity)
         self.peer_gate = PeerGate(cfg.server.max_inflight_per_address)
         self._log_identity_policy()

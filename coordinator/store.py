@@ -121,6 +121,15 @@ CREATE TABLE IF NOT EXISTS kv (
     key TEXT PRIMARY KEY,
     value TEXT NOT NULL
 );
+-- Request nonces, when several edge processes share the store (see Door): each is used once while its
+-- timestamp is inside the window.
+CREATE TABLE IF NOT EXISTS nonces (
+    public_key BLOB NOT NULL,
+    nonce TEXT NOT NULL,
+    expires_ms INTEGER NOT NULL,
+    PRIMARY KEY (public_key, nonce)
+);
+CREATE INDEX IF NOT EXISTS nonces_expiry ON nonces(expires_ms);
 -- The number of queued groups (accepted, neither consumed nor dropped), kept by triggers in the same
 -- transaction as the change, so every lease request reads the queue depth in O(1) instead of
 -- counting a table that grows with the run.
@@ -632,9 +641,12 @@ def open_lease_totals(conn: sqlite3.Connection) -> tuple[int, int]:
 
 def take_pending_prompt(conn: sqlite3.Connection) -> tuple[int, list[int], str] | None:
     """The oldest prompt back in the pool (its lease expired or was spent), now leased: (id, token ids, env)."""
-    row = conn.execute("UPDATE prompts SET state = ?, attempts = attempts + 1 WHERE prompt_id = "
-                       "(SELECT prompt_id FROM prompts WHERE state = ? ORDER BY prompt_id LIMIT 1) "
-                       "RETURNING prompt_id, prompt_ids, env", (PromptState.LEASED, PromptState.PENDING)).fetchone()
+    # The outer state check and SKIP LOCKED (PostgreSQL; see store_pg.translate) keep two edge processes
+    # from leasing one prompt twice: the loser finds no row and draws a new prompt instead.
+    row = conn.execute("UPDATE prompts SET state = ?, attempts = attempts + 1 WHERE state = ? AND prompt_id = "
+                       "(SELECT prompt_id FROM prompts WHERE state = ? ORDER BY prompt_id LIMIT 1 /*SKIP LOCKED*/) "
+                       "RETURNING prompt_id, prompt_ids, env",
+                       (PromptState.LEASED, PromptState.PENDING, PromptState.PENDING)).fetchone()
     return None if row is None else (int(row[0]), unpack_i32(row[1]).tolist(), row[2])
 
 
@@ -647,6 +659,19 @@ def insert_leased_prompt(conn: sqlite3.Connection, env: str, text: str, answer: 
     conn.execute("INSERT INTO kv(key, value) VALUES('prompts_drawn', '1') "
                  "ON CONFLICT(key) DO UPDATE SET value = CAST(kv.value AS INTEGER) + 1")
     return int(row[0])
+
+
+def use_nonce(conn: sqlite3.Connection, public_key: bytes, nonce: str, expires_ms: int) -> bool:
+    """Record a request's nonce for its key; False when it was used already (a replay), whichever edge
+    process saw it first."""
+    return conn.execute("INSERT INTO nonces(public_key, nonce, expires_ms) VALUES(?, ?, ?) "
+                        "ON CONFLICT(public_key, nonce) DO NOTHING RETURNING 1",
+                        (public_key, nonce, expires_ms)).fetchone() is not None
+
+
+def forget_nonces(conn: sqlite3.Connection, now_ms: int) -> int:
+    """Nonces whose timestamps can no longer pass the window are dropped."""
+    return conn.execute("DELETE FROM nonces WHERE expires_ms < ?", (now_ms,)).rowcount
 
 
 def prompts_drawn(conn: sqlite3.Connection) -> int:

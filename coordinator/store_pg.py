@@ -116,6 +116,13 @@ CREATE TABLE IF NOT EXISTS kv (
     key TEXT PRIMARY KEY,
     value TEXT NOT NULL
 );
+CREATE TABLE IF NOT EXISTS nonces (
+    public_key BYTEA NOT NULL,
+    nonce TEXT NOT NULL,
+    expires_ms BIGINT NOT NULL,
+    PRIMARY KEY (public_key, nonce)
+);
+CREATE INDEX IF NOT EXISTS nonces_expiry ON nonces(expires_ms);
 CREATE TABLE IF NOT EXISTS counters (
     name TEXT PRIMARY KEY,
     value BIGINT NOT NULL
@@ -216,7 +223,7 @@ def translate(sql: str) -> str:
     """SQLite's dialect of the store's statements, as PostgreSQL reads them."""
     if sql.strip().upper() == "BEGIN IMMEDIATE":
         return "BEGIN"
-    return sql.replace("?", "%s")
+    return sql.replace("?", "%s").replace("/*SKIP LOCKED*/", "FOR UPDATE SKIP LOCKED")
 
 
 class PgConnection:

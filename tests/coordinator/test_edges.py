@@ -1,0 +1,151 @@
+"""The coordinator past one process: two edge processes sharing one port (SO_REUSEPORT) and one PostgreSQL
+store, and a trainer process, each a real `veriroll coordinator run --role ...`. Nodes are served by
+both edges; a request replayed to the other edge is refused (nonces live in the store); the trainer's
+new version reaches both edges; killing one edge leaves the other serving."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import grpc
+import pytest
+from support import make_coordinator_dir
+from test_server import shaped_group
+
+from veriroll.coordinator import store as st
+from veriroll.protos.envelope import sign_request
+from veriroll.protos.identity import PrivateKey
+from veriroll.protos.service import CallError, SignedStub, full_method, secure_channel
+from veriroll.protos.v1 import coordinator_pb2 as pb
+
+VERIROLL = str(Path(sys.executable).parent / "veriroll")
+HANG_GUARD_S = 90
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start(base: Path, log: Path, *sets: str) -> subprocess.Popen:
+    args = [VERIROLL, "coordinator", "run", "--dir", str(base)]
+    for s in sets:
+        args += ["--set", s]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen(args, stdout=log.open("wb"), stderr=subprocess.STDOUT, env=env)
+
+
+def wait_http(port: int, proc: subprocess.Popen, log: Path) -> None:
+    deadline = time.monotonic() + HANG_GUARD_S
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, log.read_text()[-3000:]
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            time.sleep(0.2)
+    raise AssertionError(f"no /healthz on {port}:\n{log.read_text()[-3000:]}")
+
+
+def requests_served(http_port: int) -> int:
+    with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/metrics", timeout=5) as r:
+        text = r.read().decode()
+    return int(sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith("veriroll_requests_total{")))
+
+
+def test_two_edges_and_a_trainer_share_one_postgres_store(pg_url, tmp_path):
+    base = make_coordinator_dir(tmp_path, {"database": pg_url, "trainer.enabled": True, "trainer.min_groups": 4,
+                                           "trainer.groups_per_step": 4, "trainer.lr": 1e-3,
+                                           "leases.probation_max_open": 4, "leases.max_open_per_node": 4})
+    grpc_port = free_port()
+    http = {"edge-a": free_port(), "edge-b": free_port(), "trainer": free_port()}
+    procs = {}
+    try:
+        for name in ("edge-a", "edge-b"):
+            procs[name] = start(base, tmp_path / f"{name}.log", "role=edge", f"server.port={grpc_port}",
+                                f"server.http_port={http[name]}")
+        procs["trainer"] = start(base, tmp_path / "trainer.log", "role=trainer", f"server.http_port={http['trainer']}")
+        for name, proc in procs.items():
+            wait_http(http[name], proc, tmp_path / f"{name}.log")
+        ca = (base / "tls" / "ca.crt").read_bytes()
+
+        async def nodes():
+            stubs = []
+            for _ in range(6):  # each its own connection: the kernel spreads them over the two edges
+                stub = SignedStub(secure_channel(f"127.0.0.1:{grpc_port}", ca, server_name="localhost"),
+                                  PrivateKey.generate(), timeout=20)
+                await stub.register(pb.RegisterRequest(public_key=stub.key.public.raw, software_version="test"))
+                stubs.append(stub)
+            for stub in stubs[:4]:
+                lease = (await stub.lease_work(pb.LeaseRequest())).leases[0]
+                assert (await stub.submit_group(shaped_group(lease))).accepted
+            # One signed heartbeat sent on six connections: used once, whichever edge sees it first.
+            body = pb.HeartbeatRequest().SerializeToString()
+            metadata = sign_request(stubs[0].key, full_method("Heartbeat"), body)
+            outcomes = []
+            for _ in range(6):
+                channel = secure_channel(f"127.0.0.1:{grpc_port}", ca, server_name="localhost")
+                try:
+                    await channel.unary_unary(full_method("Heartbeat"))(body, metadata=metadata, timeout=20)
+                    outcomes.append("ok")
+                except grpc.aio.AioRpcError as err:
+                    outcomes.append(dict(err.trailing_metadata() or ()).get("x-veriroll-reason"))
+                await channel.close()
+            # The trainer steps on the four groups and commits version 1; both edges follow.
+            versions = {}
+            for _ in range(HANG_GUARD_S * 5):
+                versions = {}
+                for stub in stubs:
+                    versions[id(stub)] = (await stub.get_policy()).policy.version
+                if set(versions.values()) == {1}:
+                    break
+                await asyncio.sleep(0.2)
+            served = {name: requests_served(http[name]) for name in ("edge-a", "edge-b")}
+            # One edge dies: the other keeps serving new connections (the nodes' retries go through).
+            procs["edge-a"].send_signal(signal.SIGKILL)
+            procs["edge-a"].wait(10)
+            after = []
+            for stub in stubs:
+                await stub.channel.close()
+                fresh = SignedStub(secure_channel(f"127.0.0.1:{grpc_port}", ca, server_name="localhost"), stub.key,
+                                   timeout=20)
+                for _ in range(20):
+                    try:
+                        after.append((await fresh.heartbeat(pb.HeartbeatRequest())).policy_version)
+                        break
+                    except CallError:
+                        await asyncio.sleep(0.2)
+                await fresh.channel.close()
+            return outcomes, set(versions.values()), served, after
+
+        outcomes, versions, served, after = asyncio.run(nodes())
+        db = st.Database(pg_url)
+        summary = db.run_sync(st.status_summary)
+        db.close()
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for name, proc in procs.items():
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                pytest.fail(f"{name} did not stop on SIGTERM")
+
+    assert sorted(outcomes) == ["ok"] + ["replayed_nonce"] * 5
+    assert served["edge-a"] > 0 and served["edge-b"] > 0, served  # both edges took part
+    assert versions == {1} and summary["trainer_step"] >= 1 and summary["accepted_groups"] == 4
+    assert after == [1] * 6  # every node reached the surviving edge
+    assert procs["edge-b"].returncode == 0 and procs["trainer"].returncode == 0
