@@ -203,7 +203,8 @@ def cmd_run(args) -> int:
     _threads(1)
     logging.basicConfig(level=getattr(logging, args.log_level.upper()), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
-        return asyncio.run(serve_forever(Path(args.dir), overrides=args.set or (), stop=stop))
+        overrides = [*(args.set or ()), *([f"role={args.role}"] if args.role else [])]
+        return asyncio.run(serve_forever(Path(args.dir), overrides=overrides, stop=stop))
     except (FileNotFoundError, ConfigError) as exc:
         print(exc, file=sys.stderr)
         return 2
@@ -322,6 +323,8 @@ def register(subparsers) -> None:
 
     q = sub.add_parser("run", help="serve the coordinator in DIR")
     q.add_argument("--dir", required=True)
+    q.add_argument("--role", choices=("all", "edge", "trainer"), help="what this process runs (config key role; "
+                   "edge and trainer share a postgresql:// database with the others)")
     q.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override")
     q.add_argument("--log-level", default="info")
     q.set_defaults(func=cmd_run)

@@ -39,7 +39,7 @@ def free_port() -> int:
 def start(base: Path, log: Path, *sets: str) -> subprocess.Popen:
     args = [VERIROLL, "coordinator", "run", "--dir", str(base)]
     for s in sets:
-        args += ["--set", s]
+        args += [s] if s.startswith("--") else ["--set", s]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     return subprocess.Popen(args, stdout=log.open("wb"), stderr=subprocess.STDOUT, env=env)
 
@@ -73,7 +73,7 @@ def test_two_edges_and_a_trainer_share_one_postgres_store(pg_url, tmp_path):
     procs = {}
     try:
         for name in ("edge-a", "edge-b"):
-            procs[name] = start(base, tmp_path / f"{name}.log", "role=edge", f"server.port={grpc_port}",
+            procs[name] = start(base, tmp_path / f"{name}.log", "--role=edge", f"server.port={grpc_port}",
                                 f"server.http_port={http[name]}")
         procs["trainer"] = start(base, tmp_path / "trainer.log", "role=trainer", f"server.http_port={http['trainer']}")
         for name, proc in procs.items():
