@@ -75,6 +75,7 @@ def build_compose(cfg: TestnetConfig) -> dict:
     sets = {"server.host": "0.0.0.0", "server.port": GRPC_PORT, "server.http_port": HTTP_PORT,
             "shardcast.origin_port": ORIGIN_PORT, "shardcast.origin_url": relay_url(cfg, "origin"),
             "shardcast.relays": "[" + ", ".join(f'"{u}"' for u in leaves) + "]",
+            "shardcast.shard_bytes": 1 << 20,  # as in the process testnet: a version spans several shards
             "trainer.max_steps": cfg.steps, "trainer.target_reward": 0.0 if cfg.steps else cfg.target_reward,
             **cfg.coordinator}
     init = ["veriroll", "coordinator", "init", "--dir", COORD_DIR, "--preset", cfg.preset, "--exist-ok",
