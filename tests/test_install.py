@@ -37,7 +37,7 @@ TORCH_PIN = next(r.split("==")[1] for r in PYPROJECT["project"]["dependencies"] 
 
 # Settings of this machine's pip that a user's pip does not have: local wheels (a CPU torch among them),
 # extra indexes and a constraints file. PIP_CONFIG_FILE=devnull makes pip skip every configuration file.
-LOCAL_PIP_SETTINGS = ("PIP_FIND_LINKS", "PIP_EXTRA_INDEX_URL", "PIP_CONSTRAINT", "PIP_NO_INDEX", "PIP_TARGET")
+LOCAL_PIP_SETTINGS = ("PIP_FIND_LINKS", "PIP_EXTRA_INDEX_URL", "PIP_CONSTRAINT", "PIP_NO_INDEX")
 PIP_NETWORK = ["--timeout", "60", "--retries", "2"]
 
 
