@@ -28,8 +28,23 @@ def cmd_keygen(args) -> int:
     return 0
 
 
+class ShowVersion(argparse.Action):
+    """``--version``: computed only when asked (it reads every installed package's metadata)."""
+
+    def __init__(self, option_strings, dest=argparse.SUPPRESS, **kwargs):
+        super().__init__(option_strings, dest=dest, default=argparse.SUPPRESS, nargs=0, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        from veriroll.cli.install import version_text
+
+        print(version_text())
+        parser.exit()
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="veriroll", description="verifiable asynchronous RL on untrusted hardware")
+    parser.add_argument("--version", action=ShowVersion, help="print veriroll's and torch's versions, and what to "
+                        "run if that torch build does not fit this machine")
     sub = parser.add_subparsers(dest="command", required=True)
 
     k = sub.add_parser("keygen", help="create an Ed25519 key (PATH, PATH.pub) and print its node id")
