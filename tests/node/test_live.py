@@ -277,3 +277,20 @@ def test_loading_a_version_draws_no_progress_bar(tmp_path, capfd):
         hf_logging.enable_progress_bar()
     assert "Loading weights" not in out.err + out.out and "it/s" not in out.err
     assert engine.version == 1
+
+
+def test_plain_mode_and_its_period_are_settings(monkeypatch):
+    from veriroll.cli.main import build_parser
+    from veriroll.node.cli import load_node_config
+
+    for name in ("VERIROLL_NODE_PLAIN", "VERIROLL_NODE_SUMMARY_EVERY_S"):
+        monkeypatch.delenv(name, raising=False)
+
+    def cfg(*argv):
+        return load_node_config(build_parser().parse_args(["node", "run", *argv]))
+
+    assert cfg().plain is False and cfg().summary_every_s == 30.0
+    assert cfg("--plain", "--set", "summary_every_s=10").plain is True
+    assert cfg("--set", "summary_every_s=10").summary_every_s == 10.0
+    monkeypatch.setenv("VERIROLL_NODE_PLAIN", "true")
+    assert cfg().plain is True
