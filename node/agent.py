@@ -337,6 +337,7 @@ class NodeAgent:
                     loaded_version=self.engine.version if self.engine and self.engine.version is not None else -1,
                     leases_in_flight=self.status.leases_in_flight, tokens_per_s=self.status.tokens_per_s))
                 self.status.standing = resp.standing
+                self.status.note_version(resp.policy_version)
                 if self.policy is None or resp.policy_version != self.policy.version:
                     self._set_policy((await self.stub.get_policy()).policy)
                 if self.policy is not None:
