@@ -83,7 +83,7 @@ class NodeStatus:
         self.oks_since_problem += 1
 
     def note_version(self, version: int) -> None:
-        """The coordinator named ``version`` (in a lease): the newest version is at least that."""
+        """The coordinator named ``version`` (a lease, a heartbeat): the newest version is at least that."""
         self.policy_version = max(self.policy_version, int(version))
 
     def as_dict(self) -> dict:
@@ -489,7 +489,7 @@ class NodeAgent:
         self.status.note_ok()
         # One line per group would be ten a second on a small model: the view sums them up instead.
         log.debug("group accepted (lease %s, version %d, %d tokens, mean reward %.2f)", req.lease_id,
-                 req.policy_version, tokens, self.status.last_reward)
+                  req.policy_version, tokens, self.status.last_reward)
         self._write_status()
         return resp
 
