@@ -66,9 +66,9 @@ class NodeStatus:
     tokens_per_s: float = 0.0
     last_reward: float = 0.0
     connected: bool = False
-    last_error: str = ""
-    problem_at: float = 0.0  # time.monotonic() when last_error was last set
+    problem_at: float = 0.0  # time.monotonic() when last_error was last set (before it: __init__ sets it first)
     oks_since_problem: int = 0
+    last_error: str = ""
     download: dict = field(default_factory=dict)
     adversary: dict = field(default_factory=dict)  # TESTING ONLY: what an --adversary node tried and was told
 

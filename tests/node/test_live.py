@@ -109,6 +109,9 @@ def test_a_problem_shows_with_its_age_until_the_node_recovers():
     console.print(status_panel(s, now=at + 90))
     assert "last problem" not in console.export_text()
 
+    fresh = NodeStatus(node_id="x", connected=True, last_error="unavailable")  # stamped when built with one too
+    assert current_problem(fresh, fresh.problem_at + 1) == "last problem 1 s ago: unavailable"
+
     s.last_error = "heartbeat: unavailable"  # it happens again: shown again, the count starts over
     assert s.oks_since_problem == 0
     assert current_problem(s, s.problem_at + 1) == "last problem 1 s ago: heartbeat: unavailable"
