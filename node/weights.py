@@ -23,7 +23,8 @@ from pathlib import Path
 log = logging.getLogger("veriroll.node.weights")
 
 PUBLISH_GRACE_S = 120.0  # how long the newest version may be missing from every relay before it is a problem
-RETRY_S = 2.0  # a fetch that failed is not started again sooner than this (the lease loop asks every 0.2 s)
+RETRY_S = 2.0  # a fetch that failed is not started again sooner than this (the lease loop asks every 0.2 s)...
+RETRY_MAX_S = 60.0  # ...and, while it keeps failing for another reason than "not published yet", twice as late each time
 WARN_EVERY_S = 60.0  # the same fetch problem is logged at most this often
 
 
@@ -76,6 +77,7 @@ class RelayVersions:
         self._state: dict[int, str] = {}
         self._first_wanted: dict[int, float] = {}
         self._retry_at: dict[int, float] = {}
+        self._failures: dict[int, int] = {}
         self._warned: tuple[str, float] = ("", -float("inf"))
 
     def _dir(self, version: int) -> Path:
@@ -120,6 +122,7 @@ class RelayVersions:
         exc = task.exception()
         if exc is None:
             self._state[version] = "done"
+            self._failures.pop(version, None)
             return
         from veriroll.shardcast.errors import VersionGoneError
 
@@ -140,6 +143,8 @@ class RelayVersions:
                        f"publisher or relays may be stuck ({exc})")
         else:
             problem = f"fetching version {version} failed (retried when needed): {exc}"
+        failures = self._failures[version] = self._failures.get(version, 0) + 1
+        self._retry_at[version] = now + min(RETRY_MAX_S, RETRY_S * 2 ** (failures - 1))
         self._state[version] = "failed"
         self.last_error = problem
         text, at = self._warned
@@ -168,9 +173,11 @@ class RelayVersions:
         # What the node noted about versions far behind is of no use any more.
         running = {v for v, t in self._tasks.items() if not t.done()}
         for v in [v for v in self._first_wanted if v < newest - 2 * self.keep and v not in running]:
-            for book in (self._tasks, self._state, self._first_wanted, self._retry_at):
+            for book in (self._tasks, self._state, self._first_wanted, self._retry_at, self._failures):
                 book.pop(v, None)
 
     def progress(self) -> dict:
-        """``{version: state}`` of every version not fetched yet that the node has asked for."""
-        return {v: state for v, state in self._state.items() if state != "done" and self.path_for(v) is None}
+        """``{version: state}`` of what is worth showing: a fetch under way, and the newest version asked for
+        while the node lacks it (an older one that was waiting is moot once a newer one is wanted)."""
+        return {v: state for v, state in self._state.items()
+                if (state == "fetching" or v == self.newest_wanted) and state != "done" and self.path_for(v) is None}

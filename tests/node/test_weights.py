@@ -125,7 +125,23 @@ def test_a_version_pruned_after_the_policy_moved_on_is_gone_without_a_warning(tm
     assert warnings_of(caplog) == [] and versions.last_error == ""
     assert versions.gone(1) and not versions.gone(3) and versions.path_for(3) is not None
     assert any("version 1 left the relays" in r.getMessage() for r in caplog.records)
-    assert versions.progress() == {1: "gone"}
+    assert versions.progress() == {}  # nothing to show: the node has the newest
+
+
+def test_only_the_newest_missing_version_is_shown_as_waiting(tmp_path):
+    key = PrivateKey.generate()
+    store = tmp_path / "store"
+    publish(tmp_path, store, key, 0)
+    versions = RelayVersions(tmp_path / "cache", key.public, clock=FakeClock())
+
+    async def scenario():
+        async with origin(store, key) as relay:
+            await settle(versions, 5, [relay.url])
+            assert versions.progress() == {5: "waiting"}
+            await settle(versions, 6, [relay.url])  # the policy moved on before 5 was published
+
+    asyncio.run(scenario())
+    assert versions.progress() == {6: "waiting"}
 
 
 def test_an_unreachable_relay_is_a_warning_once_not_on_every_retry(tmp_path, caplog):
@@ -138,6 +154,10 @@ def test_an_unreachable_relay_is_a_warning_once_not_on_every_retry(tmp_path, cap
         for _ in range(3):
             await settle(versions, 0, [dead])
             clock.now += 5
+        # Three failures in a row: the next try waits 8 s, so 5 s on it is not due yet.
+        third = versions._tasks[0]
+        await versions.ensure(0, [dead])
+        assert versions._tasks[0] is third
 
     with caplog.at_level(logging.INFO, logger="veriroll.node.weights"):
         asyncio.run(scenario())
