@@ -29,7 +29,11 @@ for a second, so any number of open dashboards cost one query set per second.
                  clean_groups, loaded_version, last_seen_ms, ban_reason, rejected, rejections: {reason: n},
                  hardware: {...}}],     # the MAX_LISTED_NODES most recently seen, newest first
       "nodes_total": int,                   # all registered nodes (nodes_by_standing counts all of them too)
-      "rejections": {"by_reason": {reason: n},
+      "rejections": {"by_reason": {reason: n},       # every refusal ever counted (= summary's)
+                     "unattributed": {reason: n},    # of those, refused before the node was identified
+                                                     # (signature, nonce, unknown key, per-address limits):
+                                                     # counted, but no event is kept, so never on the timeline
+                     "window_s": s,                  # the timeline's span
                      "timeline": {"bucket_s": s, "reasons": [reason],
                                   "buckets": [{"t_ms": start, "counts": {reason: n}}]}},
       "throughput": {"bucket_s": s, "buckets": [{"t_ms": start, "groups": n, "tokens": n}]},
@@ -189,6 +193,7 @@ def read_status(conn: sqlite3.Connection, now_ms: int, window_s: float = DEFAULT
                 buckets[b]["counts"][reason] = n
                 reasons.add(reason)
         rejections = {"by_reason": summary["rejections_by_reason"],
+                      "unattributed": st.rejections_by_reason(conn, node_id=""), "window_s": window_s,
                       "timeline": {"bucket_s": size // 1000, "reasons": sorted(reasons), "buckets": buckets}}
 
         first = st.first_arrival_ms(conn, since)

@@ -47,7 +47,13 @@ RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grp
 
 @dataclass
 class NodeStatus:
-    """What the node shows its operator (live view, status file)."""
+    """What the node shows its operator (live view, status file).
+
+    ``policy_version`` is the newest version the node has heard of, ``loaded_version`` the one it runs.
+    Setting ``last_error`` also stamps when it happened and restarts the count of successful exchanges
+    since (``problem_at``, ``oks_since_problem``): the view decides from those when a problem is over,
+    whichever path reported it.
+    """
 
     node_id: str = ""
     standing: str = ""
@@ -60,9 +66,25 @@ class NodeStatus:
     tokens_per_s: float = 0.0
     last_reward: float = 0.0
     connected: bool = False
+    problem_at: float = 0.0  # time.monotonic() when last_error was last set (before it: __init__ sets it first)
+    oks_since_problem: int = 0
     last_error: str = ""
     download: dict = field(default_factory=dict)
     adversary: dict = field(default_factory=dict)  # TESTING ONLY: what an --adversary node tried and was told
+
+    def __setattr__(self, name: str, value) -> None:
+        if name == "last_error" and value:
+            super().__setattr__("problem_at", time.monotonic())
+            super().__setattr__("oks_since_problem", 0)
+        super().__setattr__(name, value)
+
+    def note_ok(self) -> None:
+        """One exchange with the coordinator went through (a lease, an accepted group, a heartbeat)."""
+        self.oks_since_problem += 1
+
+    def note_version(self, version: int) -> None:
+        """The coordinator named ``version`` (a lease, a heartbeat): the newest version is at least that."""
+        self.policy_version = max(self.policy_version, int(version))
 
     def as_dict(self) -> dict:
         d = dict(self.__dict__)
@@ -315,11 +337,13 @@ class NodeAgent:
                     loaded_version=self.engine.version if self.engine and self.engine.version is not None else -1,
                     leases_in_flight=self.status.leases_in_flight, tokens_per_s=self.status.tokens_per_s))
                 self.status.standing = resp.standing
+                self.status.note_version(resp.policy_version)
                 if self.policy is None or resp.policy_version != self.policy.version:
                     self._set_policy((await self.stub.get_policy()).policy)
                 if self.policy is not None:
                     await self.versions.ensure(self.policy.version, list(self.policy.relays))
                 self.status.download = self.versions.progress()
+                self.status.note_ok()
             except CallError as err:
                 self.status.last_error = f"heartbeat: {err.reason}"
                 failing.failed(err.reason, err.details)
@@ -340,7 +364,7 @@ class NodeAgent:
             path = await self._unless_abandoned(self.versions.ensure(version, relays))
             if path is not None:
                 break
-            if time.time() * 1000 > deadline_ms - 1000 or self.abandon.is_set():
+            if time.time() * 1000 > deadline_ms - 1000 or self.abandon.is_set() or self.versions.gone(version):
                 return None
             await self._sleep(0.2)
         if self.engine is None:
@@ -383,10 +407,12 @@ class NodeAgent:
                     log.warning("lease request refused: %s", err)
                     await self._sleep(self._backoff.next())
                     continue
+                self.status.note_ok()
                 if not resp.leases:
                     await self._sleep(max(0.05, resp.retry_after_ms / 1000))
                     continue
                 for lease in resp.leases:
+                    self.status.note_version(lease.policy_version)
                     if self.stopping.is_set():
                         log.warning("stopping: leaving lease %s; it returns to the pool at its deadline", lease.lease_id)
                         continue
@@ -408,8 +434,12 @@ class NodeAgent:
         try:
             engine = await self._engine_for(lease.policy_version, lease.deadline_ms)
             if engine is None:
-                log.warning("version %d not available before the deadline of lease %s; letting it expire",
-                            lease.policy_version, lease.lease_id)
+                if self.versions.gone(lease.policy_version):
+                    log.info("version %d left the relays before this node had it (the policy moved on); "
+                             "lease %s returns to the pool at its deadline", lease.policy_version, lease.lease_id)
+                else:
+                    log.warning("version %d not available before the deadline of lease %s; letting it expire",
+                                lease.policy_version, lease.lease_id)
                 return
             request = GenerationRequest(prompt_ids=list(lease.prompt_ids), seeds=list(lease.seeds),
                                         temperature=float(lease.temperature), max_new_tokens=int(lease.max_new_tokens),
@@ -456,8 +486,10 @@ class NodeAgent:
         self.status.accepted_groups += 1
         self.status.accepted_tokens += resp.credited_tokens
         self.status.last_reward = float(np.mean(resp.rewards)) if len(resp.rewards) else 0.0
-        log.info("group accepted (lease %s, version %d, %d tokens, mean reward %.2f)", req.lease_id,
-                 req.policy_version, tokens, self.status.last_reward)
+        self.status.note_ok()
+        # One line per group would be ten a second on a small model: the view sums them up instead.
+        log.debug("group accepted (lease %s, version %d, %d tokens, mean reward %.2f)", req.lease_id,
+                  req.policy_version, tokens, self.status.last_reward)
         self._write_status()
         return resp
 

@@ -17,7 +17,7 @@ from veriroll.protos.config import ConfigError, load_config
 # Flags that map 1:1 onto NodeConfig fields (None = not given, so file/env values stand).
 _FLAG_FIELDS = ("coordinator", "ca", "key", "coordinator_key", "engine", "device", "dtype", "threads", "max_groups",
                 "max_leases", "cache_dir", "checkpoint_dir", "display_name", "adversary", "status_file", "server_name",
-                "heartbeat_s", "call_timeout_s", "submit_timeout_s")
+                "heartbeat_s", "call_timeout_s", "submit_timeout_s", "plain")
 
 
 def load_node_config(args) -> NodeConfig:
@@ -123,7 +123,8 @@ async def _run(cfg: NodeConfig, console=None, hw=None, ran: dict | None = None, 
         on_signal()
     print(f"node id {agent.key.node_id} (key {Path(cfg.key).expanduser()}); engine {agent.engine_kind} on {agent.device}",
           file=sys.stderr)
-    view = asyncio.create_task(watch(lambda: agent.status, console=console))
+    view = asyncio.create_task(watch(lambda: agent.status, console=console, interactive=False if cfg.plain else None,
+                                     summary_every_s=cfg.summary_every_s))
     try:
         rc = await agent.run()
         if agent.stopping.is_set():
@@ -145,7 +146,7 @@ def cmd_run(args) -> int:
     from veriroll.protos.identity import KeyFileError, write_keypair
     from veriroll.protos.service import CallError
 
-    console = setup_output(args.log_level)
+    console = setup_output(args.log_level, plain=cfg.plain)
     from veriroll.node.engines import EngineUnavailable
 
     # A stop signal while starting up (torch import, hardware probe) is remembered, then honoured at once.
@@ -274,6 +275,8 @@ def register(subparsers) -> None:
     q.add_argument("--create-key", dest="create_key", action="store_true", help="create the key file if it does not exist")
     q.add_argument("--adversary", metavar="KIND", help=ADVERSARY_HELP)
     q.add_argument("--log-level", default="info")
+    q.add_argument("--plain", action="store_true", default=None,
+                   help="no live panel: a summary line every summary_every_s (the default without a terminal)")
     q.set_defaults(func=cmd_run)
 
     q = sub.add_parser("doctor", help="check key, coordinator, TLS, clock, relays and disk; say what to fix")

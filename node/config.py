@@ -35,3 +35,6 @@ class NodeConfig(BaseModel):
     display_name: str = Field("", description="name shown on the coordinator's dashboard")
     adversary: str = Field("", description="TESTING ONLY: behave dishonestly in the named way (see `veriroll node run --help`)")
     status_file: str = Field("", description="write a JSON status line here after every group (for launchers)")
+    plain: bool = Field(False, description="no live panel even on a terminal: a summary line every summary_every_s")
+    summary_every_s: float = Field(30.0, gt=0, description="without the live panel (no terminal, or `plain`): "
+                                   "seconds between summary lines")

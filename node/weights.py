@@ -3,6 +3,12 @@
 Both give the same thing: ``path_for(version)``, a verified HF checkpoint directory, or ``None`` while
 it is not there yet. Fetching runs in the background so generation never waits on a download that
 is not needed for the lease at hand.
+
+A version the coordinator names is not on the relays at once: the coordinator announces it when the
+trainer commits it, and publishing (hashing, signing) and mirroring follow. A relay answering "no
+such version" is therefore normal for the newest version for a while (``PUBLISH_GRACE_S``), and for an
+older one once the policy has moved past it and the relays pruned it. Only a newest version that stays
+missing, or any other failure, is a problem worth a warning.
 """
 
 from __future__ import annotations
@@ -10,9 +16,16 @@ from __future__ import annotations
 import asyncio
 import logging
 import shutil
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 log = logging.getLogger("veriroll.node.weights")
+
+PUBLISH_GRACE_S = 120.0  # how long the newest version may be missing from every relay before it is a problem
+RETRY_S = 2.0  # a fetch that failed is not started again sooner than this (the lease loop asks every 0.2 s)...
+RETRY_MAX_S = 60.0  # ...and, while it keeps failing for another reason than "not published yet", twice as late each time
+WARN_EVERY_S = 60.0  # the same fetch problem is logged at most this often
 
 
 class LocalVersions:
@@ -34,22 +47,38 @@ class LocalVersions:
     async def ensure(self, version: int, relays: list[str]) -> Path | None:
         return self.path_for(version)
 
+    def gone(self, version: int) -> bool:
+        return False
+
     def progress(self) -> dict:
         return {}
 
 
 class RelayVersions:
-    """Versions fetched through shardcast relays, verified against the coordinator's key."""
+    """Versions fetched through shardcast relays, verified against the coordinator's key.
 
-    def __init__(self, cache_dir: str | Path, coordinator_key, *, keep: int = 3, relays: list[str] | None = None):
+    ``progress()`` says what is under way, by version: ``fetching``, ``waiting`` (not on the relays
+    yet), ``failed`` (retried when asked again) or ``gone`` (pruned from the relays after the policy
+    moved on; never asked for again).
+    """
+
+    def __init__(self, cache_dir: str | Path, coordinator_key, *, keep: int = 3, relays: list[str] | None = None,
+                 clock: Callable[[], float] = time.monotonic):
         self.root = Path(cache_dir).expanduser()
         self.root.mkdir(parents=True, exist_ok=True)
         self.coordinator_key = coordinator_key
         self.keep = keep
         self.fixed_relays = list(relays or [])
-        self._tasks: dict[int, asyncio.Task] = {}
+        self.clock = clock
         self.last_error: str = ""
         self.bad_relays: set[str] = set()
+        self.newest_wanted = -1
+        self._tasks: dict[int, asyncio.Task] = {}
+        self._state: dict[int, str] = {}
+        self._first_wanted: dict[int, float] = {}
+        self._retry_at: dict[int, float] = {}
+        self._failures: dict[int, int] = {}
+        self._warned: tuple[str, float] = ("", -float("inf"))
 
     def _dir(self, version: int) -> Path:
         return self.root / f"v{version:06d}"
@@ -64,24 +93,64 @@ class RelayVersions:
         return sorted(int(p.name[1:]) for p in self.root.iterdir()
                       if p.name.startswith("v") and p.name[1:].isdigit() and self.path_for(int(p.name[1:])))
 
+    def gone(self, version: int) -> bool:
+        """True once ``version`` is known to have left the relays for good (the policy moved past it)."""
+        return self._state.get(version) == "gone" and self.path_for(version) is None
+
     async def ensure(self, version: int, relays: list[str]) -> Path | None:
         """Start (or keep) fetching ``version`` in the background; return its path once it is ready."""
         ready = self.path_for(version)
         if ready is not None:
             return ready
+        now = self.clock()
+        self._first_wanted.setdefault(version, now)
+        self.newest_wanted = max(self.newest_wanted, version)
         task = self._tasks.get(version)
-        if task is None or task.done():
-            task = self._tasks[version] = asyncio.create_task(self._fetch(version, self.fixed_relays or relays))
-            task.add_done_callback(self._note_failure)
+        if self.gone(version) or (task is not None and not task.done()) or now < self._retry_at.get(version, 0.0):
+            return None
+        task = self._tasks[version] = asyncio.create_task(self._fetch(version, self.fixed_relays or relays))
+        self._state[version] = "fetching"
+        task.add_done_callback(lambda t: self._fetch_ended(version, t))
         return None
 
-    def _note_failure(self, task: asyncio.Task) -> None:
-        # Retrieve the error here: a fetch that fails (a relay that has not mirrored the version yet) and is
-        # never asked for again would otherwise end as asyncio's "Task exception was never retrieved".
-        if task.cancelled() or task.exception() is None:
+    def _fetch_ended(self, version: int, task: asyncio.Task) -> None:
+        # The error is retrieved here, so a fetch nobody asks for again never ends as asyncio's "Task
+        # exception was never retrieved".
+        if task.cancelled():
+            self._state.pop(version, None)
             return
-        self.last_error = str(task.exception())
-        log.warning("fetching a policy version failed (retried when needed): %s", self.last_error)
+        exc = task.exception()
+        if exc is None:
+            self._state[version] = "done"
+            self._failures.pop(version, None)
+            return
+        from veriroll.shardcast.errors import VersionGoneError
+
+        now = self.clock()
+        self._retry_at[version] = now + RETRY_S
+        if isinstance(exc, VersionGoneError):
+            if version < self.newest_wanted:
+                self._state[version] = "gone"
+                log.info("version %d left the relays before this node fetched it; the policy has moved on to "
+                         "version %d", version, self.newest_wanted)
+                return
+            waited = now - self._first_wanted.get(version, now)
+            if waited < PUBLISH_GRACE_S:
+                self._state[version] = "waiting"
+                log.debug("version %d is not on the relays yet (%.0f s after it was named); retrying", version, waited)
+                return
+            problem = (f"version {version} is still on no relay {waited:.0f} s after the coordinator named it; its "
+                       f"publisher or relays may be stuck ({exc})")
+        else:
+            problem = f"fetching version {version} failed (retried when needed): {exc}"
+        failures = self._failures[version] = self._failures.get(version, 0) + 1
+        self._retry_at[version] = now + min(RETRY_MAX_S, RETRY_S * 2 ** (failures - 1))
+        self._state[version] = "failed"
+        self.last_error = problem
+        text, at = self._warned
+        if problem != text or now - at >= WARN_EVERY_S:
+            log.warning("%s", problem)
+            self._warned = (problem, now)
 
     async def _fetch(self, version: int, relays: list[str]) -> Path:
         from veriroll.shardcast.fetch import fetch_version
@@ -101,6 +170,14 @@ class RelayVersions:
         for v in versions[: max(0, len(versions) - self.keep)]:
             if v != newest:
                 shutil.rmtree(self._dir(v), ignore_errors=True)
+        # What the node noted about versions far behind is of no use any more.
+        running = {v for v, t in self._tasks.items() if not t.done()}
+        for v in [v for v in self._first_wanted if v < newest - 2 * self.keep and v not in running]:
+            for book in (self._tasks, self._state, self._first_wanted, self._retry_at, self._failures):
+                book.pop(v, None)
 
     def progress(self) -> dict:
-        return {v: ("fetching" if not t.done() else "done") for v, t in self._tasks.items()}
+        """``{version: state}`` of what is worth showing: a fetch under way, and the newest version asked for
+        while the node lacks it (an older one that was waiting is moot once a newer one is wanted)."""
+        return {v: state for v, state in self._state.items()
+                if (state == "fetching" or v == self.newest_wanted) and state != "done" and self.path_for(v) is None}

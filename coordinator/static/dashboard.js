@@ -2,7 +2,8 @@
 //
 // Every string that came from a node (display names, reasons) is set with textContent, never parsed
 // as HTML. After each render the page publishes what it drew in `window.veriroll` and in `data-*`
-// attributes on each chart, so a headless browser test can check what is shown.
+// attributes on each chart, tile and table row, so a headless browser test can check what is shown.
+// Every number on the page comes from one /api/status answer: a tile and a panel never disagree.
 "use strict";
 
 (function () {
@@ -14,7 +15,8 @@
   const params = new URLSearchParams(window.location.search);
   const REFRESH_MS = Math.max(1, Number(params.get("refresh") || 5)) * 1000;
 
-  const state = { renders: 0, drawn: false, error: null, charts: {}, nodes: 0, relays: 0, tiles: {} };
+  const state = { renders: 0, drawn: false, error: null, charts: {}, nodes: 0, relays: 0, tiles: {}, tileValues: {},
+                  reasons: {}, statusTime: null };
   window.veriroll = state;
 
   // --- small helpers -------------------------------------------------------------------------------
@@ -51,6 +53,17 @@
     if (spanMs > 2 * 86400e3) return `${d.getMonth() + 1}/${d.getDate()} ${hh}h`;
     if (spanMs < 10 * 60e3) return `${hh}:${mm}:${String(d.getSeconds()).padStart(2, "0")}`;
     return `${hh}:${mm}`;
+  }
+
+  function span(seconds) {
+    if (seconds % 86400 === 0) return seconds === 86400 ? "24 h" : `${seconds / 86400} d`;
+    if (seconds % 3600 === 0) return `${seconds / 3600} h`;
+    if (seconds % 60 === 0) return `${seconds / 60} min`;
+    return `${seconds} s`;
+  }
+
+  function sum(values) {
+    return values.reduce((a, b) => a + b, 0);
   }
 
   function ago(ms, now) {
@@ -108,7 +121,7 @@
   function empty(svg, text) {
     const width = reset(svg);
     svgEl("text", { x: width / 2, y: H / 2, "text-anchor": "middle", class: "empty" }, svg).textContent = text;
-    publish(svg, { points: 0, series: 0, bars: 0, empty: 1 });
+    publish(svg, { points: 0, series: 0, bars: 0, total: 0, empty: 1 });
   }
 
   function legend(svg, width, items) {
@@ -270,20 +283,30 @@
 
   // --- the page ------------------------------------------------------------------------------------
 
-  function tile(parent, label, value, detail) {
-    const t = htmlEl("div", { class: "tile", "data-tile": label }, null, parent);
+  // `raw` is the number behind the shown (maybe abbreviated) value, published as data-value.
+  function tile(parent, label, value, detail, raw) {
+    const t = htmlEl("div", { class: "tile", "data-tile": label, "data-value": raw === undefined ? value : raw }, null, parent);
     htmlEl("div", { class: "label" }, label, t);
     htmlEl("div", { class: "value" }, value, t);
     if (detail) htmlEl("div", { class: "detail" }, detail, t);
     state.tiles[label] = String(value);
+    state.tileValues[label] = raw === undefined ? value : raw;
     return t;
+  }
+
+  // Rejections per reason inside the timeline's window (events of identified nodes only).
+  function rejectionsInWindow(rej) {
+    const out = {};
+    for (const b of rej.timeline.buckets) for (const [k, n] of Object.entries(b.counts)) out[k] = (out[k] || 0) + n;
+    return out;
   }
 
   function renderTiles(data) {
     const box = document.getElementById("tiles");
     box.replaceChildren();
     const s = data.summary, ns = data.nodes_by_standing;
-    const rejected = Object.values(s.rejections_by_reason || {}).reduce((a, b) => a + b, 0);
+    const rejected = sum(Object.values(data.rejections.by_reason));
+    const charted = sum(Object.values(rejectionsInWindow(data.rejections)));
     const relaysUp = data.relays.filter((r) => r.ok).length;
     const last = data.trainer_history.length ? data.trainer_history[data.trainer_history.length - 1] : null;
     // Verification first: "off" (intake.verify = false) means groups are checked for shape only.
@@ -295,10 +318,11 @@
     tile(box, "trainer step", s.trainer_step, last && last.reward !== undefined ? `reward ${fmt(last.reward)}` : "");
     tile(box, "queue", s.unconsumed_groups, "groups waiting for the trainer");
     tile(box, "open leases", s.open_leases, "");
-    tile(box, "accepted groups", fmt(s.accepted_groups), "");
+    tile(box, "accepted groups", fmt(s.accepted_groups), "", s.accepted_groups);
     tile(box, "nodes", s.nodes, `${ns.trusted || 0} trusted · ${ns.probation || 0} probation · ${ns.banned || 0} banned`);
-    tile(box, "rejections", fmt(rejected), "");
-    tile(box, "relays", data.relays.length ? `${relaysUp}/${data.relays.length}` : "–", "answering");
+    tile(box, "rejections", fmt(rejected), `all time · ${fmt(charted)} in the ${span(data.rejections.window_s)} chart`,
+      rejected);
+    tile(box, "relays", data.relays.length ? `${relaysUp}/${data.relays.length}` : "–", "answering", relaysUp);
   }
 
   function renderCharts(data) {
@@ -338,10 +362,44 @@
     }
     lineChart(document.getElementById("chart-throughput"), tput, { time: true, emptyText: "no accepted groups yet" });
 
-    const tl = data.rejections.timeline;
-    document.getElementById("rejections-hint").textContent = tl.buckets.length ? `per ${tl.bucket_s >= 60 ? tl.bucket_s / 60 + " min" : tl.bucket_s + " s"}` : "";
-    stackedBars(document.getElementById("chart-rejections"), tl.buckets, tl.reasons,
-      { emptyText: "no rejections", yLabel: "rejections" });
+    const rej = data.rejections, tl = rej.timeline;
+    const total = sum(Object.values(rej.by_reason));
+    document.getElementById("rejections-hint").textContent =
+      `chart: identified nodes, last ${span(rej.window_s)}` + (tl.buckets.length ? `, per ${span(tl.bucket_s)}` : "") +
+      " · table: every refusal counted";
+    stackedBars(document.getElementById("chart-rejections"), tl.buckets, tl.reasons, {
+      yLabel: "rejections",
+      emptyText: total ? `none from identified nodes in the last ${span(rej.window_s)}; ${fmt(total)} counted in all (below)`
+                       : "no rejections",
+    });
+    renderReasons(rej);
+  }
+
+  // The totals per reason: the same numbers as the "rejections" tile, split by whether the node was
+  // identified (only those are kept as events, and so charted) and by what the chart's window holds.
+  function renderReasons(rej) {
+    const body = document.querySelector("#rejection-reasons tbody");
+    body.replaceChildren();
+    const charted = rejectionsInWindow(rej), before = rej.unattributed || {};
+    const rows = Object.entries(rej.by_reason).filter(([, n]) => n > 0)
+      .sort((a, b) => b[1] - a[1] || a[0].localeCompare(b[0]));
+    document.getElementById("rejections-window-head").textContent = `in the ${span(rej.window_s)} chart`;
+    if (!rows.length) {
+      const tr = htmlEl("tr", {}, null, body);
+      htmlEl("td", { colspan: 5, class: "empty" }, "no rejections", tr);
+    }
+    state.reasons = {};
+    for (const [reason, n] of rows) {
+      const early = before[reason] || 0;
+      const tr = htmlEl("tr", { "data-reason": reason, "data-total": n, "data-unattributed": early,
+                                "data-charted": charted[reason] || 0 }, null, body);
+      htmlEl("td", {}, reason, tr);
+      htmlEl("td", { class: "num" }, fmt(n), tr);
+      htmlEl("td", { class: "num" }, fmt(n - early), tr);
+      htmlEl("td", { class: "num" }, fmt(early), tr);
+      htmlEl("td", { class: "num" }, fmt(charted[reason] || 0), tr);
+      state.reasons[reason] = { total: n, unattributed: early, charted: charted[reason] || 0 };
+    }
   }
 
   function renderNodes(data) {
@@ -407,6 +465,7 @@
       renderTiles(data);
       renderCharts(data);
       renderNodes(data);
+      state.statusTime = data.time_ms;
       state.error = null;
       state.renders += 1;
       state.drawn = true;

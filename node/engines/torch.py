@@ -15,6 +15,7 @@ style models it equals ``outputs.hidden_states[-1]`` and the base model's ``last
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -62,6 +63,25 @@ def _commit_fn() -> Callable[[list[torch.Tensor]], list[bytes]]:
     from veriroll.toploc import commit_many
 
     return commit_many
+
+
+@contextlib.contextmanager
+def _no_progress_bars() -> Iterator[None]:
+    """transformers' progress bars ("Loading weights") off while the node loads a version.
+
+    A node loads every new policy version: a bar each time would be noise in a log and would tear the
+    live panel on a terminal, which shows the version instead. They come back on afterwards, unless
+    they were off already (``HF_HUB_DISABLE_PROGRESS_BARS``), so nothing else in the process changes.
+    """
+    from transformers.utils import logging as hf_logging
+
+    was_on = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_on:
+            hf_logging.enable_progress_bar()
 
 
 def _seed_bits(seed: int) -> int:
@@ -160,7 +180,8 @@ class TorchEngine(Engine):
         kwargs = {"dtype" if int(transformers.__version__.split(".")[0]) >= 5 else "torch_dtype": self.dtype}
         if self.attn_implementation is not None:
             kwargs["attn_implementation"] = self.attn_implementation
-        model = transformers.AutoModelForCausalLM.from_pretrained(Path(checkpoint_dir), **kwargs)
+        with _no_progress_bars():
+            model = transformers.AutoModelForCausalLM.from_pretrained(Path(checkpoint_dir), **kwargs)
         self._install(model, version)
 
     def _install(self, model: torch.nn.Module, version: int | None) -> None:

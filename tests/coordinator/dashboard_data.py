@@ -122,3 +122,21 @@ async def make_traffic(coord, *, spread_ms: int = 0, history_steps: int = 12) ->
         for s, n in history[-1]["staleness_hist"].items():
             metrics.trainer_staleness.set(n, staleness=s)
     return t
+
+
+async def refuse_unknown_key(coord, times: int) -> None:
+    """``times`` requests signed by a key the coordinator never registered: refused (``unknown_key``) before
+    the node is identified, so counted in the totals but never kept as an event on the timeline."""
+    key = PrivateKey.generate()
+    channel = channel_to(coord)
+    try:
+        stub = SignedStub(channel, key, timeout=20)
+        for _ in range(times):
+            try:
+                await stub.lease_work(pb.LeaseRequest(max_leases=1))
+            except CallError as err:
+                assert err.reason == "unknown_key", err
+            else:
+                raise AssertionError("an unregistered key got work")
+    finally:
+        await channel.close()

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import aiohttp
 import pytest
-from dashboard_data import make_traffic
+from dashboard_data import make_traffic, refuse_unknown_key
 from support import make_coordinator_dir, node_client, running_coordinator
 
 REPO = Path(__file__).resolve().parents[2]
@@ -199,3 +199,82 @@ def test_dashboard_draws_the_coordinators_data_in_chromium(tmp_path):
     assert by_name["alice"]["standing"] == "probation"
     # A display name is shown as the text the node sent, never interpreted as HTML.
     assert "<b>bob</b>" in by_name and markup_in_table == 0
+
+
+TILES_FROM_STATUS = {  # tile -> where /api/status has its number
+    "policy version": lambda d: d["policy"]["version"],
+    "trainer step": lambda d: d["summary"]["trainer_step"],
+    "queue": lambda d: d["summary"]["unconsumed_groups"],
+    "open leases": lambda d: d["summary"]["open_leases"],
+    "accepted groups": lambda d: d["summary"]["accepted_groups"],
+    "nodes": lambda d: d["summary"]["nodes"],
+    "rejections": lambda d: sum(d["rejections"]["by_reason"].values()),
+    "verification": lambda d: d["verification"],
+}
+
+SHOWN = """({tiles: window.veriroll.tileValues, chart: window.veriroll.charts.rejections,
+    chartText: document.querySelector('#chart-rejections').textContent,
+    rows: Array.from(document.querySelectorAll('#rejection-reasons tbody tr[data-reason]')).map(tr => ({
+        reason: tr.dataset.reason, total: Number(tr.dataset.total), unattributed: Number(tr.dataset.unattributed),
+        charted: Number(tr.dataset.charted), cells: Array.from(tr.children).map(td => td.textContent)}))})"""
+
+
+def check_page_against_status(shown: dict, api: dict) -> None:
+    """Every tile, the rejections table and the rejections chart show the numbers of one /api/status answer."""
+    for name, number in TILES_FROM_STATUS.items():
+        assert shown["tiles"][name] == number(api), (name, shown["tiles"][name], number(api))
+    rej = api["rejections"]
+    charted: dict[str, int] = {}
+    for bucket in rej["timeline"]["buckets"]:
+        for reason, n in bucket["counts"].items():
+            charted[reason] = charted.get(reason, 0) + n
+    rows = {r["reason"]: r for r in shown["rows"]}
+    assert {r: row["total"] for r, row in rows.items()} == rej["by_reason"]
+    assert sum(row["total"] for row in rows.values()) == shown["tiles"]["rejections"]
+    for reason, row in rows.items():
+        assert row["unattributed"] == rej["unattributed"].get(reason, 0)
+        assert row["charted"] == charted.get(reason, 0)
+        assert row["cells"] == [reason, str(row["total"]), str(row["total"] - row["unattributed"]),
+                                str(row["unattributed"]), str(row["charted"])]
+    assert shown["chart"]["total"] == sum(charted.values())
+
+
+def test_the_tiles_and_the_rejections_panel_agree_with_api_status(tmp_path):
+    base = make_coordinator_dir(tmp_path)
+
+    async def status(session, coord) -> dict:
+        await asyncio.sleep(1.1)  # past the answer cache, so this is the coordinator's state now
+        async with session.get(f"http://127.0.0.1:{coord.http_port}/api/status") as r:
+            return await r.json()
+
+    async def scenario():
+        async with running_coordinator(base) as coord, aiohttp.ClientSession() as session:
+            # First only refusals before any node was identified: what showed "15" in the tile and "no
+            # rejections" in the panel.
+            await refuse_unknown_key(coord, 3)
+            first = await status(session, coord)
+            async with chromium(tmp_path / "profile", session) as page:
+                await page.send("Page.navigate", url=f"http://127.0.0.1:{coord.http_port}/?refresh=1")
+                await page.wait_for(f"window.veriroll && window.veriroll.statusTime >= {first['time_ms']}")
+                before = await page.eval(SHOWN)
+                await make_traffic(coord)
+                await refuse_unknown_key(coord, 2)
+                second = await status(session, coord)
+                await page.wait_for(f"window.veriroll.statusTime >= {second['time_ms']}", timeout=30)
+                after = await page.eval(SHOWN)
+                errors = page.page_errors()
+            return first, before, second, after, errors
+
+    first, before, second, after, errors = asyncio.run(scenario())
+    assert errors == [], errors
+
+    assert first["rejections"]["by_reason"] == {"unknown_key": 3} == first["rejections"]["unattributed"]
+    check_page_against_status(before, first)
+    assert before["tiles"]["rejections"] == 3 and before["chart"]["empty"] == 1
+    assert "none from identified nodes in the last 24 h; 3 counted in all" in before["chartText"]
+    assert before["rows"][0]["cells"] == ["unknown_key", "3", "0", "3", "0"]
+
+    check_page_against_status(after, second)
+    by_reason = second["rejections"]["by_reason"]
+    assert by_reason["unknown_key"] == 5 and by_reason["bad_logprobs"] == 3 and by_reason["wrong_group_size"] == 1
+    assert after["tiles"]["rejections"] == sum(by_reason.values()) and after["chart"]["total"] == sum(by_reason.values()) - 5

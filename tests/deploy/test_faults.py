@@ -175,7 +175,8 @@ def start_node(fleet: Fleet, name: str, base: Path, ports: dict, *, relays=(), c
     args = ["node", "run", "--coordinator", f"127.0.0.1:{ports['grpc']}", "--ca", str(base / "tls" / "ca.crt"),
             "--key", str(key_path), "--coordinator-key", str(base / "coordinator.key.pub"),
             "--cache-dir", str(fleet.root / name / "cache"), "--threads", "1", "--display-name", name,
-            "--heartbeat-s", "2", "--status-file", str(fleet.root / name / "status.json"), *extra]
+            "--heartbeat-s", "2", "--status-file", str(fleet.root / name / "status.json"),
+            "--log-level", "debug", *extra]  # accepted_leases() reads the per-group lines, debug ones
     if checkpoint_dir is not None:
         args += ["--checkpoint-dir", str(checkpoint_dir)]
     for url in relays:

@@ -108,7 +108,8 @@ def test_a_node_idle_on_a_coordinator_with_no_lease_for_it_stops_on_sigterm(tmp_
         node, log = spawn(tmp_path, "node", node_args(
             tmp_path, f"127.0.0.1:{ports['grpc']}", "--ca", str(base / "tls" / "ca.crt"),
             "--coordinator-key", str(base / "coordinator.key.pub"), "--engine", "torch",
-            "--checkpoint-dir", str(base / "checkpoints" / "versions"), "--status-file", str(status)))
+            "--checkpoint-dir", str(base / "checkpoints" / "versions"), "--status-file", str(status),
+            "--log-level", "debug"))  # a line per accepted group is a debug line
         wait_for_text(node, log, "group accepted")
         time.sleep(2)  # asking for work, told to wait
         rc = stop(node, log, signal.SIGTERM, "idle node")
