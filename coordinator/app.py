@@ -202,9 +202,12 @@ async def _follow_policy(coord: Coordinator, every_s: float = 1.0) -> None:
             version, announced = await coord.db.run_read(
                 lambda c: (int(st.kv_get(c, "policy_version", 0)), st.kv_get(c, ANNOUNCEMENT_KEY, None)))
             policy = coord.service.policy
-            if announced and int(announced.get("version", -1)) >= policy.version:
-                policy.relays = list(announced.get("relays", policy.relays))
-                policy.manifest_path = announced.get("manifest_path", policy.manifest_path)
+            if announced:
+                # With a publisher, a version is current once published (the trainer commits it first).
+                version = int(announced.get("version", -1))
+                if version >= policy.version:
+                    policy.relays = list(announced.get("relays", policy.relays))
+                    policy.manifest_path = announced.get("manifest_path", policy.manifest_path)
             if version > policy.version:
                 policy.advance(version)
                 coord.service.metrics.policy_version.set(version)

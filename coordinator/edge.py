@@ -23,12 +23,13 @@ class Refusal(Exception):
     """A request refused for ``reason``; ``detail`` is shown to the node. ``counted`` is set once the
     refusal is recorded, so that it is never recorded twice on its way out."""
 
-    def __init__(self, reason: Reason, detail: str = "", *, counted: bool = False):
+    def __init__(self, reason: Reason, detail: str = "", *, counted: bool = False, node_id: str = ""):
         detail = bounded_detail(detail or reason.message)
         super().__init__(f"{reason.value}: {detail}")
         self.reason = reason
         self.detail = detail
         self.counted = counted
+        self.node_id = node_id  # the registered node refused, when the door knew it already
 
 
 MAX_DETAIL_CHARS = 500
@@ -84,10 +85,11 @@ class Door:
             raise Refusal(Reason.UNKNOWN_KEY, "node id and key disagree")
         if node is None and name != "Register":
             raise Refusal(Reason.UNKNOWN_KEY)
+        known = node.node_id if node is not None else ""
         if node is not None and node.standing == Standing.BANNED:
-            raise Refusal(Reason.BANNED)
+            raise Refusal(Reason.BANNED, node_id=known)
         if not self.key_limits.allow(headers.public_key.raw):
-            raise Refusal(Reason.RATE_LIMITED, "too many requests for this key")
+            raise Refusal(Reason.RATE_LIMITED, "too many requests for this key", node_id=known)
         return node
 
     async def _use_nonce(self, headers: SignedHeaders, now: int) -> bool:

@@ -167,7 +167,7 @@ class CoordinatorService:
         except Refusal as refusal:
             self.metrics.requests.inc(method=name, result=refusal.reason.value)
             if not refusal.counted:
-                await self.ledger.refuse(node_id, refusal.reason, refusal.detail)
+                await self.ledger.refuse(refusal.node_id or node_id, refusal.reason, refusal.detail)
                 refusal.counted = True
             raise
         # Blind on purpose: any bug below the door is answered as a counted `internal` refusal (logged with

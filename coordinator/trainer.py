@@ -610,7 +610,7 @@ class Trainer:
     """
 
     def __init__(self, cfg: CoordinatorConfig, db: st.Database, policy_store, *, metrics=None,
-                 clock=time.time, policy: PolicyState | None = None) -> None:
+                 clock=time.time, policy: PolicyState | None = None, advances_policy: bool = True) -> None:
         self.cfg = cfg
         self.tcfg: TrainerConfig = cfg.trainer
         self.s_max = cfg.intake.s_max
@@ -635,9 +635,13 @@ class Trainer:
         self.ref_model: torch.nn.Module | None = None
         self.optimizer: torch.optim.Optimizer | None = None
         self.step_no = 0
-        # The current policy version: the trainer is its one owner (it advances it after a step's commit);
-        # the coordinator's lease desk and intake read the same object.
+        # The current policy version, which the lease desk and intake read: the trainer's pipeline is its one
+        # owner. A step's version becomes current once committed and, under a coordinator, published
+        # (advances_policy False: start_trainer advances it after shardcast holds the version, so that no
+        # node is told a version no relay serves yet); standalone, the trainer advances it at the commit.
         self.policy = policy if policy is not None else PolicyState()
+        self.advances_policy = advances_policy
+        self._version = self.policy.version  # the newest version committed: staleness counts from it
         self.broken = False
         self.resume_reference: dict[int, int] = {}  # group id → version its staleness counts from
         self.done = False
@@ -650,8 +654,8 @@ class Trainer:
 
     @property
     def version(self) -> int:
-        """The policy version the trainer's weights were last published as."""
-        return self.policy.version
+        """The newest policy version the trainer committed (its weights' version)."""
+        return self._version
 
     # -- start -------------------------------------------------------------------------------------
 
@@ -696,7 +700,9 @@ class Trainer:
 
         reset, reference, self.history, version, was_done, trained = self.db.run_sync(op)
         self.resume_reference = reference
-        self.policy.advance(version)
+        self._version = version
+        if version > self.policy.version:
+            self.policy.advance(version)
         if trained != state.get("consumed_groups", trained):
             # The store and the checkpoint disagree on what the weights have seen (a store restored from
             # another backup than the checkpoints?): training goes on, but an operator should know.
@@ -765,7 +771,9 @@ class Trainer:
             raise
         self.step_no, self.history = next_step, history
         if new_version is not None:
-            self.policy.advance(new_version)
+            self._version = new_version
+            if self.advances_policy:
+                self.policy.advance(new_version)
             # Versions older than the staleness window are accepted nowhere any more; one extra is kept
             # for a verification that started just before this publish.
             self.policy_store.prune(new_version - self.s_max - 1, protect=(0,))
@@ -945,7 +953,7 @@ async def start_trainer(coord) -> Trainer:
     shardcast (``coord.publish_version``).
     """
     trainer = Trainer(coord.cfg, coord.db, coord.policy_store, metrics=coord.service.metrics,
-                      policy=coord.service.policy)
+                      policy=coord.service.policy, advances_policy=False)
     pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="veriroll-trainer")
     loop = asyncio.get_running_loop()
     await loop.run_in_executor(pool, trainer.resume)
@@ -981,11 +989,12 @@ async def _train_forever(coord, trainer: Trainer, pool: ThreadPoolExecutor) -> N
 
 
 async def _announce(coord, version: int) -> None:
-    """Tell the world about a version the trainer made current (``coord.service.policy``, advanced by the
-    trainer once the step's commit was durable)."""
-    coord.service.metrics.policy_version.set(version)
+    """Make a committed version current once shardcast holds it: published first (signed manifest, origin
+    relay), then ``coord.service.policy`` advanced, so nodes are never told a version no relay serves."""
     if hasattr(coord, "publish_version"):
         try:
             await coord.publish_version(version)
-        except Exception:  # nodes still get it from the disk-backed origin on retry
+        except Exception:  # announced anyway: nodes get it from the disk-backed origin on retry
             log.exception("handing version %d to shardcast failed", version)
+    coord.service.policy.advance(version)
+    coord.service.metrics.policy_version.set(version)

@@ -222,3 +222,49 @@ def test_store_states_are_enums_that_read_as_their_sql_values():
     assert row.standing is st.Standing.PROBATION and row.standing == "probation"
     assert {s.value for s in st.LeaseState} == {"open", "submitted", "rejected", "expired"}
     assert {s.value for s in st.PromptState} == {"pending", "leased", "done"}
+
+
+def test_a_new_version_becomes_current_only_once_shardcast_holds_it(tmp_path):
+    """Nodes are told a version (GetPolicy, leases) only after its signed manifest is on the origin relay."""
+    import asyncio as aio
+
+    from test_trainer import add_groups as seed
+
+    base = make_coordinator_dir(tmp_path, {"trainer.enabled": True, "trainer.min_groups": 2, "trainer.groups_per_step": 2,
+                                           "trainer.lr": 1e-3, "shardcast.origin_port": 0})
+
+    async def scenario():
+        async with running_coordinator(base) as coord:
+            seen = []
+            publish = coord.publish_version
+
+            async def watched(version):
+                seen.append(("before publish", version, coord.service.policy.version))
+                await publish(version)
+                seen.append(("after publish", version, coord.service.policy.version))
+
+            coord.publish_version = watched
+            seed(coord.db, [SIGNAL, SIGNAL])
+            for _ in range(600):
+                if coord.service.policy.version == 1:
+                    break
+                await aio.sleep(0.05)
+            return seen, coord.service.policy.version, coord.service.policy.manifest_path
+
+    seen, version, manifest = run(scenario())
+    assert seen == [("before publish", 1, 0), ("after publish", 1, 0)]
+    assert version == 1 and manifest == "/versions/1/manifest"
+
+
+def test_a_known_node_refused_at_the_door_finds_the_refusal_in_its_own_ledger(tmp_path):
+    base = make_coordinator_dir(tmp_path, {"server.key_rate_per_s": 0.01, "server.key_burst": 3})
+
+    async def scenario():
+        async with running_coordinator(base) as coord, node_client(coord) as stub:  # Register: 1 of 3
+            await stub.heartbeat(pb.HeartbeatRequest())
+            await stub.heartbeat(pb.HeartbeatRequest())
+            await expect_refusal(stub.heartbeat(pb.HeartbeatRequest()), grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                 "rate_limited")
+            return coord.db.run_sync(lambda c: st.rejections_by_reason(c, stub.key.node_id))
+
+    assert run(scenario()) == {"rate_limited": 1}
