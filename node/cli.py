@@ -191,8 +191,7 @@ async def _run(cfg: NodeConfig, console=None, hw=None, ran: dict | None = None, 
     failure = await wait_for_coordinator(cfg, stop)
     if failure is None and not stop.is_set():
         channel = _channel(cfg)
-        agent = build_agent(cfg, channel, hw)  # imports torch: a signal meanwhile waits for the loop, then stops it
-        await asyncio.sleep(0)  # let such a signal be handled before the agent starts
+        agent = build_agent(cfg, channel, hw)  # a signal meanwhile is handled once the loop runs: it stops the agent
     if agent is None:
         if failure is not None:
             print(f"cannot start this node: {format_failure(failure)}", file=sys.stderr)
@@ -291,6 +290,9 @@ def cmd_run(args) -> int:
         code, advice = REFUSAL_ADVICE.get(exc.reason, (3, "see `veriroll node doctor`"))
         print(f"the coordinator refused this node: {exc}\n  → {advice.format(ntp=NTP_ADVICE)}", file=sys.stderr)
         return code
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):  # the loop is gone: one more signal means leave now
+            signal.signal(sig, lambda _signum, _frame: _exit_now())
 
 
 async def _credits(cfg: NodeConfig) -> dict:

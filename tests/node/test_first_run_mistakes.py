@@ -101,3 +101,29 @@ def test_keygen_doctor_and_credits_share_the_default_key(setup, tmp_path):
     credits = veriroll("node", "credits", *where, "--json", env=env)
     assert credits.returncode == 0, credits.stderr
     assert json.loads(credits.stdout)["node_id"] == node_id
+
+
+def test_a_clock_outside_the_coordinators_window_ends_with_the_ntp_fix(tmp_path):
+    """The one startup check that needs a signed call: the coordinator refuses the timestamp of Register."""
+    import asyncio
+
+    from support import running_coordinator
+
+    from veriroll.coordinator.service import now_ms
+
+    key = tmp_path / "node.key"
+    write_keypair(key)
+
+    async def scenario():
+        base = make_coordinator_dir(tmp_path)
+        async with running_coordinator(base) as coord:
+            coord.service.clock = lambda: now_ms() + 600_000  # the coordinator's clock is 10 minutes ahead
+            return await asyncio.to_thread(
+                veriroll, "node", "run", "--coordinator", f"127.0.0.1:{coord.grpc_port}", "--ca",
+                str(base / "tls" / "ca.crt"), "--key", str(key), "--cache-dir", str(tmp_path / "cache"),
+                "--engine", "torch", "--threads", "1", "--checkpoint-dir", str(base / "checkpoints" / "versions"))
+
+    done = asyncio.run(scenario())
+    assert done.returncode == 2, done.stderr
+    assert "clock_skew" in done.stderr and "timedatectl set-ntp true" in done.stderr
+    assert "Traceback" not in done.stderr
