@@ -53,6 +53,7 @@ def _run(s: MistakeSetup, *, coordinator: str | None = None, ca: str | None = ""
 
 def _garbage_ca(s: MistakeSetup) -> list[str]:
     path = s.work / "garbage.crt"
+    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("this is not a certificate\n")
     return _run(s, ca=str(path))
 

@@ -57,7 +57,6 @@ def setup(tmp_path_factory):
 
 @pytest.mark.parametrize("mistake", MISTAKES, ids=[m.name for m in MISTAKES])
 def test_each_first_run_mistake_ends_with_its_fix(setup, mistake, tmp_path):
-    setup.work.mkdir(exist_ok=True)
     t0 = time.monotonic()
     # No key at the default path either: the advice is the one a new volunteer gets.
     done = veriroll(*mistake.argv(setup), env={"VERIROLL_NODE_KEY": str(tmp_path / "default" / "node.key")})
