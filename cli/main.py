@@ -3,28 +3,32 @@
 from __future__ import annotations
 
 import argparse
-import os
 import sys
+from pathlib import Path
 
 
 def cmd_keygen(args) -> int:
+    from veriroll.node.config import default_key_path
     from veriroll.protos.identity import KeyFileError, load_private_key, write_keypair
 
+    out = Path(args.out).expanduser() if args.out else default_key_path()
     if args.show:
         try:
-            key = load_private_key(args.out)
+            key = load_private_key(out, owner_only=True)
         except KeyFileError as exc:
-            print(exc, file=sys.stderr)
+            print(f"{exc}\n  → {exc.fix}" if exc.fix else exc, file=sys.stderr)
             return 1
         print(key.node_id)
         return 0
     try:
-        key = write_keypair(args.out, force=args.force)
+        key = write_keypair(out, force=args.force)
     except KeyFileError as exc:
         print(exc, file=sys.stderr)
         return 1
     print(key.node_id)
-    print(f"wrote {args.out} (keep it safe: it is your node's identity and history) and {args.out}.pub", file=sys.stderr)
+    used = ("every `veriroll node` command uses it when --key is left out" if out == default_key_path() else
+            f"pass it to `veriroll node` commands with --key {out} (or set VERIROLL_NODE_KEY={out})")
+    print(f"wrote {out} (keep it safe: it is your node's identity and history) and {out}.pub; {used}", file=sys.stderr)
     return 0
 
 
@@ -48,7 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     k = sub.add_parser("keygen", help="create an Ed25519 key (PATH, PATH.pub) and print its node id")
-    k.add_argument("--out", default=os.path.expanduser("~/.config/veriroll/node.key"), help="private key path")
+    k.add_argument("--out", help="private key path (default: $VERIROLL_NODE_KEY, else ~/.config/veriroll/node.key, "
+                                 "which every `veriroll node` command reads when --key is left out)")
     k.add_argument("--force", action="store_true", help="overwrite an existing key (its identity is lost)")
     k.add_argument("--show", action="store_true", help="print the node id of the existing key at --out")
     k.set_defaults(func=cmd_keygen)
@@ -68,9 +73,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    return int(args.func(args) or 0)
+    try:
+        parser = build_parser()
+        args = parser.parse_args(argv)
+        return int(args.func(args) or 0)
+    except KeyboardInterrupt:  # Ctrl-C before a command has its own stop handling (imports): no traceback
+        return 130
 
 
 if __name__ == "__main__":

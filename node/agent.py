@@ -297,7 +297,8 @@ class NodeAgent:
                     log.warning("the coordinator takes no more new keys from this network now (%s); retrying in %.1fs",
                                 err.details, delay)
                 else:
-                    log.warning("cannot reach the coordinator (%s); retrying in %.1fs", err.reason, delay)
+                    log.warning("cannot reach the coordinator at %s (%s); retrying in %.0fs (Ctrl-C to stop)",
+                                self.cfg.coordinator, err.reason, delay)
                 await self._sleep(delay)
         self._backoff.reset()
         skew = (resp.server_time_ms - time.time() * 1000) / 1000

@@ -1,9 +1,15 @@
-"""``veriroll node …``: run, doctor, credits."""
+"""``veriroll node …``: run, doctor, credits.
+
+Every command first runs the doctor's own checks (key, address, CA file, TLS and gRPC on the port) and
+ends with the doctor's diagnosis and fix, exit code 2, on any mistake that no retry can fix. Only a
+coordinator that does not answer yet is waited for, by ``node run``.
+"""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -13,6 +19,9 @@ from pathlib import Path
 
 from veriroll.node.config import NodeConfig
 from veriroll.protos.config import ConfigError, load_config
+
+STARTUP_CHECK_TIMEOUT_S = 10.0  # each startup probe (TCP, TLS, HTTP/2 greeting); a slow link still fits
+STARTUP_RETRY_CAP_S = 60.0  # a coordinator that does not answer is asked again at least this often
 
 # Flags that map 1:1 onto NodeConfig fields (None = not given, so file/env values stand).
 _FLAG_FIELDS = ("coordinator", "ca", "key", "coordinator_key", "engine", "device", "dtype", "threads", "max_groups",
@@ -32,6 +41,17 @@ def load_node_config(args) -> NodeConfig:
 
         overrides[k.strip()] = parse_scalar(v.strip())
     return load_config(NodeConfig, getattr(args, "config", None), overrides=overrides, env_prefix="VERIROLL_NODE_")
+
+
+def quiet_grpc_logs() -> None:
+    """Keep gRPC C-core's own log lines (handshake failures, reconnects) off the volunteer's terminal: the node
+    says what is wrong in its own words. Someone who set ``GRPC_VERBOSITY`` or ``GRPC_TRACE`` keeps them."""
+    if "GRPC_VERBOSITY" not in os.environ and "GRPC_TRACE" not in os.environ:
+        os.environ["GRPC_VERBOSITY"] = "NONE"
+
+
+class CheckpointMissing(RuntimeError):
+    """A policy version's folder is gone when the engine comes to load it."""
 
 
 def _channel(cfg: NodeConfig):
@@ -71,7 +91,7 @@ def build_agent(cfg: NodeConfig, channel, hw=None):
     from veriroll.protos.identity import load_private_key, load_public_key
 
     torch.set_num_threads(cfg.threads)
-    key = load_private_key(Path(cfg.key).expanduser())
+    key = load_private_key(Path(cfg.key).expanduser(), owner_only=True)
     engine_kind, hw = check_engine(cfg, hw)
     device = choose_device(cfg.device, hw)
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[cfg.dtype]
@@ -79,6 +99,8 @@ def build_agent(cfg: NodeConfig, channel, hw=None):
     def engine_factory(path: Path, version: int):
         from veriroll.node.engines import create_engine
 
+        if not (path / "config.json").is_file():  # else transformers takes the missing path for a hub model id
+            raise CheckpointMissing(f"policy version {version} is gone from {path} (deleted while this node needed it)")
         return create_engine(engine_kind, checkpoint_dir=path, version=version, device=device, dtype=dtype,
                              threads=cfg.threads)
 
@@ -86,7 +108,9 @@ def build_agent(cfg: NodeConfig, channel, hw=None):
         versions = LocalVersions(cfg.checkpoint_dir)
     else:
         ckey = load_public_key(Path(cfg.coordinator_key).expanduser()) if cfg.coordinator_key else None
-        versions = RelayVersions(cfg.cache_dir, ckey, keep=cfg.keep_versions, relays=cfg.relays)
+        # One folder per key: a node pruning its old versions never deletes one another key is loading.
+        versions = RelayVersions(Path(cfg.cache_dir).expanduser() / key.node_id, ckey, keep=cfg.keep_versions,
+                                 relays=cfg.relays)
     adversary = None
     if cfg.adversary:
         from veriroll.node.adversary import make_adversary
@@ -97,22 +121,65 @@ def build_agent(cfg: NodeConfig, channel, hw=None):
     return agent
 
 
+async def wait_for_coordinator(cfg: NodeConfig, stop: asyncio.Event):
+    """Run the doctor's coordinator checks until they pass (None), ``stop`` is set (None), or one fails in a way
+    no retry fixes (that :class:`~veriroll.node.doctor.Check`). A coordinator that does not answer yet (refused,
+    timed out) is asked again after a growing delay, each wait announced with its length."""
+    from veriroll.node.agent import Backoff
+    from veriroll.node.doctor import WARN, coordinator_checks, first_failure
+
+    log = logging.getLogger("veriroll.node")
+    backoff = Backoff(base=2.0, cap=STARTUP_RETRY_CAP_S)
+    attempt = 0
+    while not stop.is_set():
+        checks = await coordinator_checks(cfg, STARTUP_CHECK_TIMEOUT_S)
+        failure = first_failure(checks)
+        if failure is None:
+            for c in checks:
+                if c.status == WARN:
+                    log.warning("%s: %s (%s)", c.name, c.detail, c.advice)
+            return None
+        if not failure.transient:
+            return failure
+        attempt += 1
+        delay = backoff.next()
+        log.warning("cannot reach the coordinator: %s; %s. Trying again in %.0fs (attempt %d; Ctrl-C to stop)",
+                    failure.detail, failure.advice, delay, attempt)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), delay)
+    return None
+
+
+def _exit_now(code: int = 0) -> None:
+    """Leave at once (a second stop signal: the volunteer means now), without waiting for anything."""
+    logging.getLogger("veriroll.node").warning("stopping now")
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 async def _run(cfg: NodeConfig, console=None, hw=None, ran: dict | None = None, early: dict | None = None) -> int:
+    from veriroll.node.doctor import format_failure
     from veriroll.node.live import watch
 
-    channel = _channel(cfg)
-    agent = build_agent(cfg, channel, hw)
-    if ran is not None:
-        ran["agent"] = agent
     loop = asyncio.get_running_loop()
     log = logging.getLogger("veriroll.node")
+    stop = asyncio.Event()  # a stop signal before the agent exists
+    agent = None
 
     def on_signal():
-        if not agent.stopping.is_set():
+        if agent is None:
+            if stop.is_set():
+                _exit_now()
+            log.warning("stopping")
+            stop.set()
+        elif not agent.stopping.is_set():
             agent.request_stop()
         elif not agent.abandon.is_set():
             log.warning("stopping: abandoning the lease in hand")
             agent.abandon.set()
+        else:
+            _exit_now()
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         try:
@@ -121,6 +188,18 @@ async def _run(cfg: NodeConfig, console=None, hw=None, ran: dict | None = None, 
             pass
     if early and early.get("signal") is not None:  # told to stop while starting up
         on_signal()
+    failure = await wait_for_coordinator(cfg, stop)
+    if failure is None and not stop.is_set():
+        channel = _channel(cfg)
+        agent = build_agent(cfg, channel, hw)  # a signal meanwhile is handled once the loop runs: it stops the agent
+    if agent is None:
+        if failure is not None:
+            print(f"cannot start this node: {format_failure(failure)}", file=sys.stderr)
+            return 2
+        log.warning("node stopped")
+        return 0
+    if ran is not None:
+        ran["agent"] = agent
     print(f"node id {agent.key.node_id} (key {Path(cfg.key).expanduser()}); engine {agent.engine_kind} on {agent.device}",
           file=sys.stderr)
     view = asyncio.create_task(watch(lambda: agent.status, console=console, interactive=False if cfg.plain else None,
@@ -135,24 +214,52 @@ async def _run(cfg: NodeConfig, console=None, hw=None, ran: dict | None = None, 
         await channel.close()
 
 
+# Refusals at registration that no retry fixes, with what to do; anything else points at the doctor.
+REFUSAL_ADVICE = {
+    "clock_skew": (2, "set the system clock: {ntp}"),
+    "replayed_nonce": (2, "if this machine's clock is behind, set it: {ntp}; then `veriroll node doctor`"),
+    "pow_required": (2, "registering a new key here takes more proof of work than this node allows; allow it with "
+                        "`--set pow_max_bits=N`, or use a key this coordinator knows"),
+    "pow_invalid": (2, "the coordinator refused this node's proof of work twice; check the system clock (NTP) and "
+                       "`veriroll node doctor`"),
+    "banned": (3, "this key is banned on this coordinator; `veriroll node credits` shows its ledger"),
+}
+
+
 def cmd_run(args) -> int:
+    # A stop signal while starting up (imports, hardware probe) is remembered, then honoured as soon as the
+    # event loop runs; a second one ends the process there and then.
+    early: dict = {"signal": None}
+
+    def on_early_signal(signum, _frame):
+        if early["signal"] is not None:
+            _exit_now()
+        early["signal"] = signum
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, on_early_signal)
     try:
         cfg = load_node_config(args)
     except ConfigError as exc:
         print(exc, file=sys.stderr)
         return 2
+    quiet_grpc_logs()
     os.environ.setdefault("OMP_NUM_THREADS", str(cfg.threads))
+    from veriroll.node.doctor import NTP_ADVICE, first_failure, format_failure, offline_checks
     from veriroll.node.live import setup_output
     from veriroll.protos.identity import KeyFileError, write_keypair
-    from veriroll.protos.service import CallError
 
     console = setup_output(args.log_level, plain=cfg.plain)
+    key_path = Path(cfg.key).expanduser()
+    if args.create_key and not key_path.exists():
+        node_id = write_keypair(key_path).node_id
+        print(f"created key {key_path} (node id {node_id}); back it up: it is this node's identity", file=sys.stderr)
+    failure = first_failure(offline_checks(cfg))  # before torch is imported: these answer in a blink
+    if failure is not None:
+        print(f"cannot start this node: {format_failure(failure)}", file=sys.stderr)
+        return 2
     from veriroll.node.engines import EngineUnavailable
-
-    # A stop signal while starting up (torch import, hardware probe) is remembered, then honoured at once.
-    early: dict = {"signal": None}
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda signum, _frame: early.update(signal=signum))
+    from veriroll.protos.service import CallError
 
     try:  # before any network call: an engine that cannot run here is refused at once
         _kind, hw = check_engine(cfg)
@@ -160,10 +267,6 @@ def cmd_run(args) -> int:
         print(f"cannot start this node: {exc}", file=sys.stderr)
         return 2
 
-    key_path = Path(cfg.key).expanduser()
-    if args.create_key and not key_path.exists():
-        node_id = write_keypair(key_path).node_id
-        print(f"created key {key_path} (node id {node_id}); back it up: it is this node's identity", file=sys.stderr)
     ran: dict = {}
     try:
         rc = asyncio.run(_run(cfg, console, hw, ran, early))
@@ -175,19 +278,22 @@ def cmd_run(args) -> int:
             logging.shutdown()
             os._exit(rc)
         return rc
-    except KeyFileError as exc:
-        print(f"{exc}\ncreate a key with `veriroll keygen --out {cfg.key}`", file=sys.stderr)
+    except KeyFileError as exc:  # the key itself passed check_key: this is --coordinator-key
+        print(f"cannot start this node: {exc}\n  → pass the coordinator's public key (coordinator.key.pub, from its "
+              "operator) with --coordinator-key, or leave it out to trust the key the coordinator announces over TLS",
+              file=sys.stderr)
         return 2
+    except CheckpointMissing as exc:
+        print(f"cannot go on: {exc}; start the node again to fetch it", file=sys.stderr)
+        return 1
     except CallError as exc:
-        # Refusals a node cannot retry its way out of (clock skew, ban, bad TLS...): say why, no traceback.
-        hint = {"clock_skew": "set the system clock (e.g. enable NTP) and start again",
-                "banned": "this key is banned on this coordinator",
-                "pow_required": "registering a new key here takes more proof of work than this node allows; "
-                                "allow it with `--set pow_max_bits=N`, or use a key this coordinator knows",
-                "pow_invalid": "the coordinator refused this node's proof of work twice; check the system clock "
-                               "(NTP) and `veriroll node doctor`"}.get(exc.reason, "see `veriroll node doctor`")
-        print(f"the coordinator refused this node: {exc}\n{hint}", file=sys.stderr)
-        return 3
+        # Refusals a node cannot retry its way out of (clock skew, ban, proof of work...): say why, no traceback.
+        code, advice = REFUSAL_ADVICE.get(exc.reason, (3, "see `veriroll node doctor`"))
+        print(f"the coordinator refused this node: {exc}\n  → {advice.format(ntp=NTP_ADVICE)}", file=sys.stderr)
+        return code
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):  # the loop is gone: one more signal means leave now
+            signal.signal(sig, lambda _signum, _frame: _exit_now())
 
 
 async def _credits(cfg: NodeConfig) -> dict:
@@ -196,7 +302,8 @@ async def _credits(cfg: NodeConfig) -> dict:
 
     channel = _channel(cfg)
     try:
-        stub = SignedStub(channel, load_private_key(Path(cfg.key).expanduser()), timeout=cfg.call_timeout_s)
+        key = load_private_key(Path(cfg.key).expanduser(), owner_only=True)
+        stub = SignedStub(channel, key, timeout=cfg.call_timeout_s)
         r = await stub.get_ledger()
         return {"node_id": r.node_id, "standing": r.standing, "accepted_groups": r.accepted_groups,
                 "accepted_tokens": r.accepted_tokens, "strikes": r.strikes, "credits": r.credits,
@@ -206,12 +313,23 @@ async def _credits(cfg: NodeConfig) -> dict:
 
 
 def cmd_credits(args) -> int:
+    from veriroll.node.doctor import coordinator_checks, first_failure, format_failure, offline_checks
     from veriroll.protos.service import CallError
 
     try:
         cfg = load_node_config(args)
+    except ConfigError as exc:
+        print(exc, file=sys.stderr)
+        return 2
+    quiet_grpc_logs()
+    failure = first_failure(offline_checks(cfg)) or first_failure(
+        asyncio.run(coordinator_checks(cfg, STARTUP_CHECK_TIMEOUT_S)))
+    if failure is not None:
+        print(f"cannot read the ledger: {format_failure(failure)}", file=sys.stderr)
+        return 1 if failure.transient else 2
+    try:
         ledger = asyncio.run(_credits(cfg))
-    except (ConfigError, CallError, OSError) as exc:
+    except (CallError, OSError) as exc:
         print(f"cannot read the ledger: {exc}", file=sys.stderr)
         return 1
     if args.json:
@@ -230,6 +348,7 @@ def cmd_doctor(args) -> int:
     except ConfigError as exc:
         print(exc, file=sys.stderr)
         return 2
+    quiet_grpc_logs()
     checks = asyncio.run(run_doctor(cfg, clock_offset_s=args.clock_offset_s, timeout_s=args.timeout_s))
     result = report(checks)
     print(json.dumps(result) if args.json else format_report(checks))
@@ -241,7 +360,8 @@ def _common(q: argparse.ArgumentParser) -> None:
     q.add_argument("--coordinator", help="coordinator HOST:PORT")
     q.add_argument("--ca", help="CA certificate of the coordinator's TLS (PEM)")
     q.add_argument("--server-name", dest="server_name", help="TLS name to expect from the coordinator")
-    q.add_argument("--key", help="this node's private key file")
+    q.add_argument("--key", help="this node's private key file (default: $VERIROLL_NODE_KEY, else "
+                                 "~/.config/veriroll/node.key, where `veriroll keygen` writes it)")
     q.add_argument("--call-timeout-s", dest="call_timeout_s", type=float, help="deadline of each coordinator call")
     q.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", help="any other setting")
     q.add_argument("--json", action="store_true", help="machine-readable output")

@@ -2,18 +2,36 @@
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 from pydantic import BaseModel, ConfigDict, Field
 
 from veriroll.protos.pow import DEFAULT_MAX_BITS, MAX_BITS
+
+DEFAULT_KEY = "~/.config/veriroll/node.key"
+KEY_ENV = "VERIROLL_NODE_KEY"  # also NodeConfig.key's own environment variable (the VERIROLL_NODE_ prefix)
+DEFAULT_GRPC_PORT = 50051  # the coordinator's default, named in advice; never filled in for a missing port
+
+
+def default_key_path() -> Path:
+    """The node key when none is given: ``$VERIROLL_NODE_KEY``, else ``~/.config/veriroll/node.key``.
+
+    ``keygen`` writes it and ``node run``, ``doctor`` and ``credits`` read it, so a volunteer has one identity
+    unless they ask for another.
+    """
+    return Path(os.environ.get(KEY_ENV) or DEFAULT_KEY).expanduser()
 
 
 class NodeConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    coordinator: str = Field("127.0.0.1:50051", description="coordinator gRPC address HOST:PORT")
+    coordinator: str = Field(f"127.0.0.1:{DEFAULT_GRPC_PORT}", description="coordinator gRPC address HOST:PORT (the "
+                             "port is required: an address without one is refused, never guessed)")
     ca: str = Field("", description="CA certificate (PEM) that signed the coordinator's TLS certificate; empty: plaintext")
     server_name: str = Field("", description="TLS server name to expect, if not the host part of `coordinator`")
-    key: str = Field("node.key", description="this node's Ed25519 private key (veriroll keygen)")
+    key: str = Field(DEFAULT_KEY, description="this node's Ed25519 private key, mode 0600 (`veriroll keygen` writes "
+                     "it); also $VERIROLL_NODE_KEY")
     coordinator_key: str = Field("", description="coordinator public key (.pub) that must sign checkpoints; empty: trust the one from GetPolicy")
     engine: str = Field("auto", description="'torch', 'vllm' or 'auto' (vllm when a GPU and vllm are present)")
     device: str = Field("auto", description="'cpu', 'cuda' or 'auto'")
@@ -28,7 +46,8 @@ class NodeConfig(BaseModel):
     pow_max_bits: int = Field(DEFAULT_MAX_BITS, ge=0, le=MAX_BITS, description="most proof of work this node does to "
                               "register a new key (leading zero bits; each bit doubles the time, 24 is ~8 s on one "
                               "core); a coordinator asking more is refused")
-    cache_dir: str = Field("~/.cache/veriroll/node", description="where fetched checkpoints are kept")
+    cache_dir: str = Field("~/.cache/veriroll/node", description="where fetched checkpoints are kept, in a folder "
+                           "per node id (CACHE_DIR/<node id>/): two keys on one machine never share one")
     checkpoint_dir: str = Field("", description="read policy versions from this local directory (vNNNNNN/ subfolders) instead of relays")
     relays: list[str] = Field(default_factory=list, description="relay URLs to fetch from (default: the coordinator's list)")
     keep_versions: int = Field(3, ge=1, description="checkpoint versions kept on disk")

@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import logging
 import os
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,7 +32,11 @@ SIGNATURE_BYTES = 64
 
 
 class KeyFileError(Exception):
-    """A key file is missing, unreadable, malformed, or would be overwritten."""
+    """A key file is missing, unreadable, malformed, exposed, or would be overwritten; ``fix`` says what to do."""
+
+    def __init__(self, message: str, fix: str = ""):
+        super().__init__(message)
+        self.fix = fix
 
 
 class InvalidPublicKey(ValueError):
@@ -223,19 +229,37 @@ def write_keypair(path: str | os.PathLike, *, force: bool = False) -> PrivateKey
     return key
 
 
-def load_private_key(path: str | os.PathLike) -> PrivateKey:
-    """Load a private key file written by :func:`write_keypair` (or any PKCS#8 Ed25519 PEM)."""
+def load_private_key(path: str | os.PathLike, *, owner_only: bool = False) -> PrivateKey:
+    """Load a private key file written by :func:`write_keypair` (or any PKCS#8 Ed25519 PEM).
+
+    A ``.pub`` file is named as the public half. A key other users can read (POSIX mode & 0o077) is
+    refused when ``owner_only`` (a node's key: anyone who reads it can act as that node), else logged
+    as a warning (the coordinator's key, whose operator may keep it on a mount this check cannot judge).
+    """
     path = Path(path)
     try:
-        data = path.read_bytes()
+        with open(path, "rb") as fh:
+            mode = stat.S_IMODE(os.fstat(fh.fileno()).st_mode)
+            data = fh.read()
     except OSError as exc:
         raise KeyFileError(f"cannot read key file {path}: {exc.strerror or exc}") from exc
+    if data.lstrip().startswith(PUBLIC_KEY_PREFIX.encode() + b" "):
+        private = path.with_suffix("") if path.suffix == ".pub" else None
+        raise KeyFileError(f"{path} is a public key (the shareable half of a key pair), not the private key",
+                           f"pass the private key: {private}" if private else
+                           "pass the private key file (the one without .pub, written by `veriroll keygen`)")
     try:
         key = serialization.load_pem_private_key(data, password=None)
     except (ValueError, TypeError) as exc:
         raise KeyFileError(f"{path} is not an unencrypted PEM private key: {exc}") from exc
     if not isinstance(key, Ed25519PrivateKey):
         raise KeyFileError(f"{path} holds a {type(key).__name__}, not an Ed25519 key")
+    if os.name == "posix" and mode & 0o077:
+        problem = f"{path} can be read by other users (mode {mode:04o})"
+        fix = f"make it private: `chmod 600 {path}` (anyone who reads it can sign as this key)"
+        if owner_only:
+            raise KeyFileError(problem, fix)
+        logging.getLogger("veriroll.identity").warning("%s; %s", problem, fix)
     return PrivateKey(key)
 
 

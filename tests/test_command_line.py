@@ -26,6 +26,30 @@ def test_keygen_prints_the_node_id_refuses_to_overwrite_and_shows_it_again(tmp_p
     assert capsys.readouterr().out.strip() == node_id
 
 
+def test_keygen_writes_the_one_default_key_that_every_node_command_reads(tmp_path, capsys, monkeypatch):
+    from veriroll.cli.main import build_parser
+    from veriroll.node.cli import load_node_config
+
+    default = tmp_path / "config" / "veriroll" / "node.key"
+    monkeypatch.setenv("VERIROLL_NODE_KEY", str(default))
+    assert main(["keygen"]) == 0
+    node_id = capsys.readouterr().out.strip()
+    assert load_private_key(default).node_id == node_id
+    for command in ("run", "doctor", "credits"):
+        assert load_node_config(build_parser().parse_args(["node", command])).key == str(default)
+    monkeypatch.delenv("VERIROLL_NODE_KEY")
+    assert load_node_config(build_parser().parse_args(["node", "run"])).key == "~/.config/veriroll/node.key"
+
+
+def test_keygen_show_names_an_exposed_key_with_its_chmod(tmp_path, capsys):
+    key = tmp_path / "node.key"
+    assert main(["keygen", "--out", str(key)]) == 0
+    os.chmod(key, 0o644)
+    capsys.readouterr()
+    assert main(["keygen", "--out", str(key), "--show"]) == 1
+    assert f"chmod 600 {key}" in capsys.readouterr().err
+
+
 def test_coordinator_status_json_and_ban_unban(tmp_path, capsys):
     base = make_coordinator_dir(tmp_path)
     node = PrivateKey.generate()

@@ -321,7 +321,7 @@ def test_a_relay_killed_mid_download_leaves_the_node_to_finish_from_the_other(tm
     node = start_node(fleet, "node", base, ports, relays=[doomed, other], extra=["--max-groups", "1"])
 
     # Freeze the node as soon as some shards are in, kill the relay it is reading from, let it go on.
-    journal = fleet.root / "node" / "cache" / ".v000000.shardcast-partial" / ".shardcast-progress"
+    journal = fleet.root / "node" / "cache" / node.node_id / ".v000000.shardcast-partial" / ".shardcast-progress"
     wait_until(lambda: journal.exists() and journal.read_text().count("\n") >= 4, "the download to start", fleet,
                alive=("node",), every=0.01)
     fleet.signal("node", signal.SIGSTOP)
@@ -333,7 +333,7 @@ def test_a_relay_killed_mid_download_leaves_the_node_to_finish_from_the_other(tm
     assert 0 < done_at_kill < len(manifest.shards), "the kill did not land mid-download"
     assert served["bytes_served_total"] > 0 or served["active_transfers"] > 0, "the killed relay took no part"
     assert fleet.procs["node"].wait(timeout=WAIT_S) == 0, fleet.tails()
-    fetched = fleet.root / "node" / "cache" / "v000000"
+    fetched = fleet.root / "node" / "cache" / node.node_id / "v000000"
     assert_same_files(src, fetched, [f.name for f in manifest.files])
     log = fleet.log("node")
     assert re.search(rf"relay {re.escape(doomed)} (failed|stopped answering)", log), "the node did not record the failure"
@@ -370,7 +370,7 @@ def test_a_relay_serving_tampered_shards_is_reported_and_the_node_still_gets_the
     node = start_node(fleet, "node", base, ports, relays=[liar, honest], extra=["--max-groups", "1"])
 
     assert fleet.procs["node"].wait(timeout=WAIT_S) == 0, fleet.tails()
-    assert_same_files(src, fleet.root / "node" / "cache" / "v000000", [f.name for f in manifest.files])
+    assert_same_files(src, fleet.root / "node" / "cache" / node.node_id / "v000000", [f.name for f in manifest.files])
     log = fleet.log("node")
     assert f"relay {liar} served bad data (hash-mismatch" in log, "the tampering relay was not reported"
     assert f"relay {honest} served bad data" not in log

@@ -97,12 +97,13 @@ def test_everything_passes_against_a_healthy_coordinator_and_relay(tmp_path, nod
 
 
 def test_stopped_coordinator_is_named_and_later_checks_are_skipped(tmp_path, node_key):
-    cfg = NodeConfig(coordinator=f"127.0.0.1:{free_port()}", ca=str(tmp_path / "ca.crt"), key=str(node_key),
+    ca = make_coordinator_dir(tmp_path) / "tls" / "ca.crt"
+    cfg = NodeConfig(coordinator=f"127.0.0.1:{free_port()}", ca=str(ca), key=str(node_key),
                      cache_dir=str(tmp_path / "cache"))
     checks = run(doctor.run_doctor(cfg, min_free_bytes=1024))
     c = by_name(checks)
     assert c["coordinator"].status == FAIL and "connection refused" in c["coordinator"].detail
-    assert "running" in c["coordinator"].advice
+    assert "running" in c["coordinator"].advice and c["coordinator"].transient  # `node run` waits for it
     assert c["tls"].status == c["signed call"].status == c["clock"].status == SKIP
     assert c["key"].status == OK and c["disk"].status == OK
     assert report(checks)["ok"] is False
@@ -212,11 +213,11 @@ def test_banned_key_fails_the_signed_call(tmp_path, node_key):
 
 def test_key_file_problems_each_get_their_own_advice(tmp_path, node_key):
     missing = check_key(tmp_path / "nope.key")
-    assert missing.status == FAIL and "veriroll keygen --out" in missing.advice
+    assert missing.status == FAIL and "veriroll keygen" in missing.advice and not missing.transient
 
     os.chmod(node_key, 0o644)
     exposed = check_key(node_key)
-    assert exposed.status == FAIL and "chmod 600" in exposed.advice and exposed.data["mode"] == "0644"
+    assert exposed.status == FAIL and f"`chmod 600 {node_key}`" in exposed.advice and "0644" in exposed.detail
 
     garbage = tmp_path / "garbage.key"
     fd = os.open(garbage, os.O_WRONLY | os.O_CREAT, 0o600)
@@ -277,3 +278,19 @@ def test_a_new_key_registers_through_the_doctor_paying_the_proof_of_work(tmp_pat
     assert checks["clock"].data["skew_s"] == pytest.approx(-12.0, abs=1.5)
     # (The Heartbeat that found the key unknown, then the Register that asked for the work.)
     assert summary["nodes"] == 1 and summary["rejections_by_reason"] == {"unknown_key": 1, "pow_required": 1}
+
+
+def test_a_plaintext_coordinator_passes_with_a_warning_and_its_dashboard_port_is_not_grpc(tmp_path, node_key):
+    async def scenario():
+        base = make_coordinator_dir(tmp_path, tls=False)
+        async with running_coordinator(base) as coord:
+            cfg = node_cfg(coord, node_key, tmp_path, ca="")
+            dashboard = node_cfg(coord, node_key, tmp_path, ca="", coordinator=f"127.0.0.1:{coord.http_port}")
+            return by_name(await doctor.run_doctor(cfg, min_free_bytes=1024)), \
+                await doctor.coordinator_checks(dashboard, 5.0)
+
+    checks, (_, dashboard_tls) = run(scenario())
+    assert checks["tls"].status == WARN and "plaintext" in checks["tls"].detail  # it answered the HTTP/2 greeting
+    assert checks["signed call"].status == OK
+    assert dashboard_tls.status == FAIL and "web server" in dashboard_tls.detail and not dashboard_tls.transient
+    assert "gRPC port" in dashboard_tls.advice

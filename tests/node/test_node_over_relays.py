@@ -31,13 +31,13 @@ def test_two_node_processes_fetch_weights_from_the_origin_relay_and_get_groups_a
     base = make_coordinator_dir(tmp_path, {"shardcast.origin_port": 0, "shardcast.shard_bytes": 65536})
     env = dict(os.environ, OMP_NUM_THREADS="1")
     coord = subprocess.Popen([VERIROLL, "coordinator", "run", "--dir", str(base), "--log-level", "warning"], env=env)
-    nodes = []
+    nodes, node_ids = [], []
     try:
         ports = wait_for(base / "ports.json", coord)
         assert ports.get("origin", "").startswith("http://127.0.0.1:")
         for i in range(2):
             key = tmp_path / f"node{i}.key"
-            write_keypair(key)
+            node_ids.append(write_keypair(key).node_id)
             nodes.append(subprocess.Popen([
                 VERIROLL, "node", "run", "--coordinator", f"127.0.0.1:{ports['grpc']}", "--ca", str(base / "tls" / "ca.crt"),
                 "--key", str(key), "--coordinator-key", str(base / "coordinator.key.pub"),
@@ -46,7 +46,7 @@ def test_two_node_processes_fetch_weights_from_the_origin_relay_and_get_groups_a
         for p in nodes:
             assert p.wait(timeout=300) == 0
         for i in range(2):
-            fetched = tmp_path / f"cache{i}" / "v000000"
+            fetched = tmp_path / f"cache{i}" / node_ids[i] / "v000000"  # one folder per key
             assert (fetched / "model.safetensors").read_bytes() == \
                 (base / "checkpoints" / "versions" / "v000000" / "model.safetensors").read_bytes()
     finally:

@@ -92,6 +92,20 @@ def test_a_node_retrying_an_unreachable_coordinator_stops_at_once_on_a_signal(tm
     assert "Traceback" not in text, text
 
 
+def test_two_quick_interrupts_while_waiting_for_the_coordinator_stop_it_without_a_traceback(tmp_path):
+    proc, log = spawn(tmp_path, "node", node_args(tmp_path, f"127.0.0.1:{closed_port()}", "--engine", "torch"))
+    try:
+        wait_for_text(proc, log, "Trying again in")  # the countdown of a coordinator that does not answer yet
+        os.killpg(proc.pid, signal.SIGINT)
+        rc = stop(proc, log, signal.SIGINT, "twice-interrupted node")
+    finally:
+        kill_if_alive(proc)
+    text = log.read_text()
+    assert rc == 0, text
+    assert "stopping" in text and "finishing the lease in hand" not in text
+    assert "Traceback" not in text and "CancelledError" not in text, text
+
+
 def test_a_node_idle_on_a_coordinator_with_no_lease_for_it_stops_on_sigterm(tmp_path):
     # One accepted group fills the queue (no trainer drains it): after that the coordinator has no lease to
     # give, and the node waits for work.
