@@ -333,6 +333,8 @@ class NodeAgent:
         failing = HeartbeatFailures(Backoff(self.cfg.heartbeat_s, max(self.cfg.heartbeat_s, HEARTBEAT_BACKOFF_CAP_S)))
         while not self.stopping.is_set():
             await self._sleep(failing.next_delay(self.cfg.heartbeat_s))
+            if self.stopping.is_set():  # told to stop while asleep: the channel may be closed already
+                break
             try:
                 resp = await self.stub.heartbeat(pb.HeartbeatRequest(
                     loaded_version=self.engine.version if self.engine and self.engine.version is not None else -1,
@@ -349,6 +351,8 @@ class NodeAgent:
                 self.status.last_error = f"heartbeat: {err.reason}"
                 failing.failed(err.reason, err.details)
             except Exception as exc:  # noqa: BLE001 - a bug here must not stop the heartbeat; logged with its traceback
+                if self.stopping.is_set():  # the channel closed under a call in flight: stopping, not a failure
+                    break
                 self.status.last_error = f"heartbeat: {exc}"
                 failing.failed(type(exc).__name__, str(exc), exc_info=exc)
             else:
