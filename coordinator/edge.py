@@ -39,6 +39,16 @@ def bounded_detail(detail: str) -> str:
     return detail if len(detail) <= MAX_DETAIL_CHARS else detail[:MAX_DETAIL_CHARS - 1] + "…"
 
 
+def banned(node: NodeInfo) -> Refusal:
+    """The refusal of a banned key, saying why: the operator's text or the strikes that banned it."""
+    return Refusal(Reason.BANNED, f"this key is banned ({node.ban_reason or 'no reason recorded'}); "
+                                  "`veriroll node credits` still shows its ledger")
+
+
+UNBANNED_METHODS = frozenset({"GetLedger"})
+"""What a banned key may still call: reading its own ledger, so a volunteer can learn why it was banned."""
+
+
 class Door:
     def __init__(self, cfg: CoordinatorConfig, ledger: Ledger, clock: Callable[[], int]):
         s = cfg.server
@@ -51,7 +61,7 @@ class Door:
 
     async def admit(self, method: str, name: str, body: bytes, headers: SignedHeaders, peer: str) -> NodeInfo | None:
         """Signature, replay window, identity, ban and rate checks. Returns the caller (None for a Register
-        from a key not yet registered)."""
+        from a key not yet registered); a banned key only for :data:`UNBANNED_METHODS`."""
         if not self.peer_limits.allow(peer):
             raise Refusal(Reason.RATE_LIMITED, "too many requests from this address")
         # parse_headers already refused these; checked again (a cached lookup) so that no signature is
@@ -75,8 +85,8 @@ class Door:
             raise Refusal(Reason.UNKNOWN_KEY, "node id and key disagree")
         if node is None and name != "Register":
             raise Refusal(Reason.UNKNOWN_KEY)
-        if node is not None and node.standing == Standing.BANNED:
-            raise Refusal(Reason.BANNED)
+        if node is not None and node.standing == Standing.BANNED and name not in UNBANNED_METHODS:
+            raise banned(node)
         if not self.key_limits.allow(headers.public_key.raw):
             raise Refusal(Reason.RATE_LIMITED, "too many requests for this key")
         return node
