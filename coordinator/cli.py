@@ -41,11 +41,17 @@ REAL_MODEL_SETTINGS: dict = {"environment.name": "math", "leases.group_size": 8,
 # Coordinator settings that go with each preset's model and task (the model recipe itself lives in
 # model_factory.PRESETS). Group size, lr and batch follow the measured tiny-GRPO recipe: 16 prompts x
 # 16 samples learns single-digit addition in about two minutes of RL on CPU (lr: PRESETS[p].rl_lr, measured).
+#
+# Per-key request rate: a tiny-preset group takes ~0.1 s, and a node makes a LeaseWork and a SubmitGroup
+# per group: one node on one core measured 9.5 groups/s, ~20 calls/s, exactly server.key_rate_per_s's
+# default (sized for real models, where a group takes seconds), and was refused rate_limited 14 times in
+# 2.5 minutes. 100/s leaves 5x for faster cores.
+_TINY_KEY_RATE = {"server.key_rate_per_s": 100.0, "server.key_burst": 200.0}
 PRESET_SETTINGS: dict[str, dict] = {
     "tiny-arith": {"leases.group_size": 16, "leases.max_new_tokens": 4, "leases.temperature": 1.0,
-                   "trainer.groups_per_step": 16, "trainer.min_groups": 8},
+                   "trainer.groups_per_step": 16, "trainer.min_groups": 8, **_TINY_KEY_RATE},
     "tiny-reverse": {"leases.group_size": 16, "leases.max_new_tokens": 8, "leases.temperature": 1.0,
-                     "trainer.groups_per_step": 16, "trainer.min_groups": 8},
+                     "trainer.groups_per_step": 16, "trainer.min_groups": 8, **_TINY_KEY_RATE},
 }
 
 

@@ -20,14 +20,16 @@ from veriroll.protos.reasons import Reason
 
 class Refusal(Exception):
     """A request refused for ``reason``; ``detail`` is shown to the node. ``counted`` is set once the
-    refusal is recorded, so that it is never recorded twice on its way out."""
+    refusal is recorded, so that it is never recorded twice on its way out. ``node_id`` names the caller
+    when the door refuses it after looking it up (banned, over its key's rate), so it is counted against it."""
 
-    def __init__(self, reason: Reason, detail: str = "", *, counted: bool = False):
+    def __init__(self, reason: Reason, detail: str = "", *, counted: bool = False, node_id: str = ""):
         detail = bounded_detail(detail or reason.message)
         super().__init__(f"{reason.value}: {detail}")
         self.reason = reason
         self.detail = detail
         self.counted = counted
+        self.node_id = node_id
 
 
 MAX_DETAIL_CHARS = 500
@@ -42,7 +44,7 @@ def bounded_detail(detail: str) -> str:
 def banned(node: NodeInfo) -> Refusal:
     """The refusal of a banned key, saying why: the operator's text or the strikes that banned it."""
     return Refusal(Reason.BANNED, f"this key is banned ({node.ban_reason or 'no reason recorded'}); "
-                                  "`veriroll node credits` still shows its ledger")
+                                  "`veriroll node credits` still shows its ledger", node_id=node.node_id)
 
 
 UNBANNED_METHODS = frozenset({"GetLedger"})
@@ -88,5 +90,7 @@ class Door:
         if node is not None and node.standing == Standing.BANNED and name not in UNBANNED_METHODS:
             raise banned(node)
         if not self.key_limits.allow(headers.public_key.raw):
-            raise Refusal(Reason.RATE_LIMITED, "too many requests for this key")
+            raise Refusal(Reason.RATE_LIMITED, f"too many requests for this key (over {self.cfg.server.key_rate_per_s:g}/s, "
+                                               f"bursts of {self.cfg.server.key_burst:g})",
+                          node_id=node.node_id if node is not None else "")
         return node

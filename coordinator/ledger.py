@@ -123,8 +123,9 @@ class Ledger:
     # --- refusals -------------------------------------------------------------------------------------
 
     def refusal_op(self, node_id: str, reason: Reason, detail: str = "", lease_id: str = "",
-                   also: Callable | None = None) -> Callable:
-        """The store op that records one refusal (and strike, and ban); ``also`` runs in the same transaction."""
+                   also: Callable | None = None, *, log_event: bool = True) -> Callable:
+        """The store op that records one refusal (and strike, and ban); ``also`` runs in the same transaction.
+        ``log_event=False`` counts it without keeping the event itself."""
         now = self.clock()
         limit = self.max_strikes
 
@@ -132,14 +133,14 @@ class Ledger:
             if also is not None:
                 also(conn)
             return st.record_refusal(conn, node_id, reason.value, strike=reason.strike, strike_limit=limit,
-                                     lease_id=lease_id, detail=detail, now_ms=now)
+                                     lease_id=lease_id, detail=detail, now_ms=now, log_event=log_event)
 
         return op
 
     async def refuse(self, node_id: str, reason: Reason, detail: str = "", lease_id: str = "",
-                     also: Callable | None = None) -> None:
+                     also: Callable | None = None, *, log_event: bool = True) -> None:
         """Record one refusal, durably, then count it in the metrics."""
-        banned_at = await self.db.run(self.refusal_op(node_id, reason, detail, lease_id, also))
+        banned_at = await self.db.run(self.refusal_op(node_id, reason, detail, lease_id, also, log_event=log_event))
         self.counted(node_id, reason, banned_at)
 
     def counted(self, node_id: str, reason: Reason, banned_at: int | None = None) -> None:

@@ -167,7 +167,10 @@ class CoordinatorService:
         except Refusal as refusal:
             self.metrics.requests.inc(method=name, result=refusal.reason.value)
             if not refusal.counted:
-                await self.ledger.refuse(node_id, refusal.reason, refusal.detail)
+                # The door's refusals of a known key (banned, over its rate) count against that key but leave
+                # no event row: they are what a flood is made of, and the key's rate limit does not bound them.
+                await self.ledger.refuse(node_id or refusal.node_id, refusal.reason, refusal.detail,
+                                         log_event=bool(node_id))
                 refusal.counted = True
             raise
         # Blind on purpose: any bug below the door is answered as a counted `internal` refusal (logged with

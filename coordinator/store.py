@@ -624,10 +624,11 @@ def node_ledger(conn: sqlite3.Connection, node_id: str) -> dict | None:
 
 
 def record_refusal(conn: sqlite3.Connection, node_id: str, reason: str, *, strike: bool, strike_limit: int,
-                   lease_id: str = "", detail: str = "", now_ms: int = 0) -> int | None:
-    """Count a refusal; for a hard failure, strike the node (a trusted node goes back on probation) and
-    ban it at ``strike_limit`` strikes. Returns the node's strikes when this refusal banned it, else None."""
-    count_rejection(conn, node_id, reason, lease_id, detail, now_ms, log=bool(node_id))
+                   lease_id: str = "", detail: str = "", now_ms: int = 0, log_event: bool = True) -> int | None:
+    """Count a refusal (and keep the event, for a known node, unless ``log_event`` is False); for a hard
+    failure, strike the node (a trusted node goes back on probation) and ban it at ``strike_limit`` strikes.
+    Returns the node's strikes when this refusal banned it, else None."""
+    count_rejection(conn, node_id, reason, lease_id, detail, now_ms, log=bool(node_id) and log_event)
     if not (node_id and strike):
         return None
     row = conn.execute("UPDATE nodes SET strikes = strikes + 1, clean_groups = 0, "
