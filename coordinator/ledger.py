@@ -97,9 +97,10 @@ class Ledger:
         self._remember(node)
         return node
 
-    async def touch(self, node: NodeInfo, loaded_version: int, session: st.Session) -> int | st.LiveSession:
+    async def touch(self, node: NodeInfo, loaded_version: int, session: st.Session, *,
+                    stopping: bool = False) -> int | st.LiveSession:
         """A heartbeat from ``session``: the time it was recorded at, or, changing nothing, the other
-        session that holds the key."""
+        session that holds the key. A ``stopping`` session gives the key up."""
         now = self.clock()
 
         def op(conn):
@@ -107,6 +108,8 @@ class Ledger:
             if live is not None:
                 return live
             st.touch_node(conn, node.node_id, now, loaded_version, session)
+            if stopping:
+                st.end_session(conn, node.node_id, session.session_id)
             return now
 
         return await self.db.run(op)

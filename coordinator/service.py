@@ -256,7 +256,8 @@ class CoordinatorService:
                                    policy=self.policy_info())
 
     async def heartbeat(self, node: NodeInfo, req: pb.HeartbeatRequest, *, peer: str = "unknown") -> pb.HeartbeatResponse:
-        now = await self.ledger.touch(node, int(req.loaded_version), st.Session(req.session_id, peer))
+        now = await self.ledger.touch(node, int(req.loaded_version), st.Session(req.session_id, peer),
+                                      stopping=req.stopping)
         if isinstance(now, st.LiveSession):
             raise self._key_in_use(now)
         return pb.HeartbeatResponse(server_time_ms=now, policy_version=self.policy.version, standing=node.standing)
@@ -266,8 +267,8 @@ class CoordinatorService:
         lapse_s = max(0.0, self.cfg.identity.session_ttl_s - age_s)
         return Refusal(Reason.KEY_IN_USE, f"this key is in use by another node process (at {live.address}, last "
                                           f"heartbeat {age_s:.0f} s ago); stop that node, or give this one its own key "
-                                          f"(`veriroll keygen --out OTHER.key`); if it has stopped, its claim lapses in "
-                                          f"{lapse_s:.0f} s")
+                                          f"(`veriroll keygen --out OTHER.key`); if it stopped without saying so (killed, "
+                                          f"crashed), its claim lapses in {lapse_s:.0f} s")
 
     async def get_policy(self, node: NodeInfo, req: pb.PolicyRequest) -> pb.PolicyResponse:
         return pb.PolicyResponse(policy=self.policy_info())

@@ -606,6 +606,12 @@ def register_node(conn: sqlite3.Connection, node_id: str, public_key: bytes, now
     return NodeRow(node_id, public_key, Standing(r["standing"]), r["ban_reason"])
 
 
+def end_session(conn: sqlite3.Connection, node_id: str, session_id: str) -> None:
+    """``session_id`` stopped: if it held the key, the key is free for another process at once."""
+    conn.execute("UPDATE nodes SET session_id = '' WHERE node_id = ? AND session_id = ? AND session_id != ''",
+                 (node_id, session_id))
+
+
 def touch_node(conn: sqlite3.Connection, node_id: str, now_ms: int, loaded_version: int,
                session: Session | None = None) -> None:
     """A heartbeat: when the node was last seen and which version it has loaded; ``session`` stays the

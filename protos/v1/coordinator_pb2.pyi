@@ -66,16 +66,18 @@ class RegisterResponse(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., standing: _Optional[str] = ..., server_time_ms: _Optional[int] = ..., policy: _Optional[_Union[PolicyInfo, _Mapping]] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("loaded_version", "leases_in_flight", "tokens_per_s", "session_id")
+    __slots__ = ("loaded_version", "leases_in_flight", "tokens_per_s", "session_id", "stopping")
     LOADED_VERSION_FIELD_NUMBER: _ClassVar[int]
     LEASES_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
     TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    STOPPING_FIELD_NUMBER: _ClassVar[int]
     loaded_version: int
     leases_in_flight: int
     tokens_per_s: float
     session_id: str
-    def __init__(self, loaded_version: _Optional[int] = ..., leases_in_flight: _Optional[int] = ..., tokens_per_s: _Optional[float] = ..., session_id: _Optional[str] = ...) -> None: ...
+    stopping: bool
+    def __init__(self, loaded_version: _Optional[int] = ..., leases_in_flight: _Optional[int] = ..., tokens_per_s: _Optional[float] = ..., session_id: _Optional[str] = ..., stopping: _Optional[bool] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
     __slots__ = ("server_time_ms", "policy_version", "standing")

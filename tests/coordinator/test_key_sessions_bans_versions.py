@@ -91,6 +91,25 @@ def test_a_quiet_session_lapses_and_another_process_may_take_the_key_over(tmp_pa
     assert run(scenario()).reason == "key_in_use"
 
 
+def test_a_process_that_says_it_stops_frees_its_key_at_once(tmp_path):
+    key = PrivateKey.generate()
+
+    async def scenario():
+        async with running_coordinator(make_coordinator_dir(tmp_path)) as coord, \
+                node_client(coord, key, register=False) as first, node_client(coord, key, register=False) as second:
+            await first.register(register_request(key, "session-one"))
+            # A stopping heartbeat from a session that does not hold the key frees nothing.
+            await second.heartbeat(pb.HeartbeatRequest(loaded_version=-1, session_id="", stopping=True))
+            assert (await refusal(second.register(register_request(key, "session-two")))).reason == "key_in_use"
+            await first.heartbeat(pb.HeartbeatRequest(loaded_version=-1, session_id="session-one", stopping=True))
+            await second.register(register_request(key, "session-two"))  # within the TTL, yet accepted
+            err = await refusal(first.register(register_request(key, "session-one")))
+            return err
+
+    err = run(scenario())
+    assert err.reason == "key_in_use" and "lapses in" in err.details
+
+
 def test_sessions_survive_in_a_database_from_before_sessions(tmp_path):
     path = tmp_path / "old.db"
     old = st.connect(path)
