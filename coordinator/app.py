@@ -5,6 +5,8 @@ and the HTTP side (metrics, status, dashboard) together and runs them until stop
 from __future__ import annotations
 
 import asyncio
+import errno
+import fcntl
 import json
 import logging
 import os
@@ -29,6 +31,7 @@ log = logging.getLogger("veriroll.coordinator")
 
 CONFIG_NAME = "coordinator.toml"
 PORTS_NAME = "ports.json"
+LOCK_NAME = "coordinator.lock"
 STOP_WAIT_S = 6.0  # what the parts get to close after a stop signal (docker stop kills at 10 s)
 MEMORY_RELEASE_EVERY_S = 5.0
 
@@ -38,6 +41,61 @@ def load_coordinator_config(base_dir: Path, overrides=()) -> CoordinatorConfig:
     if not path.exists():
         raise FileNotFoundError(f"{path} not found; create it with `veriroll coordinator init --dir {base_dir}`")
     return load_config(CoordinatorConfig, path, overrides=overrides, env_prefix="VERIROLL_COORDINATOR_")
+
+
+class DirectoryInUse(Exception):
+    """Another coordinator process serves this directory."""
+
+
+class DirectoryLock:
+    """An exclusive lock on ``DIR/coordinator.lock``, which holds its owner's pid, for as long as a coordinator
+    serves DIR: a second one on the same state stops before it binds anything.
+
+    The lock is the kernel's (``flock``), so it goes with its process: a lock file left by a coordinator
+    that was killed is simply taken over.
+    """
+
+    def __init__(self, base_dir: Path):
+        self.path = base_dir / LOCK_NAME
+        self._fd: int | None = None
+
+    def acquire(self) -> None:
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.read(fd, 32).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            raise DirectoryInUse(f"another coordinator (pid {holder}) is already running on {self.path.parent}; stop "
+                                 f"it first (kill {holder}), or give this one another --dir") from None
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
+        self._fd = fd
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)  # closing drops the lock; the file stays, with a pid nobody holds
+            self._fd = None
+
+
+class CannotListen(Exception):
+    """A port the coordinator is configured to listen on is taken or not allowed."""
+
+
+_LISTEN_ERRORS = (errno.EADDRINUSE, errno.EADDRNOTAVAIL, errno.EACCES)
+
+
+async def _listening(what: str, setting: str, host: str, port: int, start):
+    """Await ``start``, which binds ``host:port`` for ``what``; a failure to bind becomes :class:`CannotListen`
+    naming the setting that moves it."""
+    try:
+        return await start
+    except OSError as exc:
+        if exc.errno not in _LISTEN_ERRORS:
+            raise
+        raise CannotListen(f"cannot listen on {host}:{port} for {what}: {exc.strerror or exc}; another coordinator or "
+                           f"program may hold it: stop that, or set {setting} to a free port (0: any free one, "
+                           "written to DIR/ports.json at every start)") from exc
 
 
 @dataclass
@@ -55,6 +113,7 @@ class Coordinator:
     closers: list = field(default_factory=list)
     server: object = None
     stopped: asyncio.Event = field(default_factory=asyncio.Event)
+    lock: DirectoryLock | None = None
 
     @property
     def address(self) -> str:
@@ -95,6 +154,8 @@ class Coordinator:
                 log.error("closing %s failed", _name_of(close), exc_info=closing.exception())
         self.service.close()
         self.db.close()
+        if self.lock is not None:
+            self.lock.release()
         return all_closed
 
 
@@ -128,6 +189,20 @@ def verification_state(cfg: CoordinatorConfig) -> str:
 async def start_coordinator(base_dir: str | Path, *, overrides=(), cfg: CoordinatorConfig | None = None) -> Coordinator:
     base = Path(base_dir).resolve()
     cfg = cfg or load_coordinator_config(base, overrides)
+    # Before anything is opened or bound: a second coordinator (or trainer) on DIR stops here. Edge
+    # processes are meant to run several on one DIR (role 'edge', a shared PostgreSQL store): no lock.
+    lock = DirectoryLock(base) if cfg.role != "edge" else None
+    if lock is not None:
+        lock.acquire()
+    try:
+        return await _start(base, cfg, lock)
+    except BaseException:
+        if lock is not None:
+            lock.release()  # released twice when coord.stop() ran: harmless
+        raise
+
+
+async def _start(base: Path, cfg: CoordinatorConfig, lock: DirectoryLock | None) -> Coordinator:
     policy_store = PolicyStore(resolve_path(base, cfg.checkpoints))
     verifier = build_verifier(cfg, policy_store)  # first: a broken install stops here, before anything is opened
     db = st.Database(st.database_target(base, cfg.database))
@@ -146,7 +221,7 @@ async def start_coordinator(base_dir: str | Path, *, overrides=(), cfg: Coordina
         stop_token_ids=cfg.leases.stop_token_ids or policy_store.stop_token_ids, coordinator_key=key.public, policy=policy,
         verifier=verifier, metrics=metrics,
     )
-    coord = Coordinator(base, cfg, db, service, policy_store)
+    coord = Coordinator(base, cfg, db, service, policy_store, lock=lock)
     try:
         await _start_parts(coord, key)
     except BaseException:
@@ -164,15 +239,18 @@ async def _start_parts(coord: Coordinator, key) -> None:
     if role != "all" and not st.store_pg.is_url(str(cfg.database)):
         raise ConfigError(f"role {role!r} shares its state with other processes: set database to a postgresql:// URL")
     # Publisher and origin relay (shardcast) first, so GetPolicy can name them from the first call.
+    host = cfg.server.host
     if cfg.shardcast.origin_port >= 0 and role != "edge":
-        await start_publisher(coord, key)
+        await _listening("the origin relay", "shardcast.origin_port", host, cfg.shardcast.origin_port,
+                         start_publisher(coord, key))
     if role != "trainer":
         tls = None
         if cfg.server.tls:
             tls = read_tls(resolve_path(base, cfg.server.tls_cert), resolve_path(base, cfg.server.tls_key))
-        server, port, _ = await start_server(coord.service, host=cfg.server.host, port=cfg.server.port, tls=tls)
+        server, port, _ = await _listening("gRPC", "server.port", host, cfg.server.port,
+                                           start_server(coord.service, host=host, port=cfg.server.port, tls=tls))
         coord.server, coord.grpc_port = server, port
-    await start_http(coord)
+    await _listening("HTTP (metrics, dashboard)", "server.http_port", host, cfg.server.http_port, start_http(coord))
     if role == "edge":
         # The trainer of another process moves the policy on; this edge follows what the store says.
         coord.tasks.append(asyncio.create_task(_follow_policy(coord), name="veriroll-follow-policy"))

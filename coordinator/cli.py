@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import json
 import logging
 import shutil
@@ -40,11 +41,17 @@ REAL_MODEL_SETTINGS: dict = {"environment.name": "math", "leases.group_size": 8,
 # Coordinator settings that go with each preset's model and task (the model recipe itself lives in
 # model_factory.PRESETS). Group size, lr and batch follow the measured tiny-GRPO recipe: 16 prompts x
 # 16 samples learns single-digit addition in about two minutes of RL on CPU (lr: PRESETS[p].rl_lr, measured).
+#
+# Per-key request rate: a tiny-preset group takes ~0.1 s, and a node makes a LeaseWork and a SubmitGroup
+# per group: one node on one core measured 9.5 groups/s, ~20 calls/s, exactly server.key_rate_per_s's
+# default (sized for real models, where a group takes seconds), and was refused rate_limited 14 times in
+# 2.5 minutes. 100/s leaves 5x for faster cores.
+_TINY_KEY_RATE = {"server.key_rate_per_s": 100.0, "server.key_burst": 200.0}
 PRESET_SETTINGS: dict[str, dict] = {
     "tiny-arith": {"leases.group_size": 16, "leases.max_new_tokens": 4, "leases.temperature": 1.0,
-                   "trainer.groups_per_step": 16, "trainer.min_groups": 8},
+                   "trainer.groups_per_step": 16, "trainer.min_groups": 8, **_TINY_KEY_RATE},
     "tiny-reverse": {"leases.group_size": 16, "leases.max_new_tokens": 8, "leases.temperature": 1.0,
-                     "trainer.groups_per_step": 16, "trainer.min_groups": 8},
+                     "trainer.groups_per_step": 16, "trainer.min_groups": 8, **_TINY_KEY_RATE},
 }
 
 
@@ -88,8 +95,54 @@ def cmd_init(args) -> int:
         if created:
             shutil.rmtree(base, ignore_errors=True)
         raise
-    print(json.dumps(summary) if args.json else "\n".join(f"{k}: {v}" for k, v in summary.items()))
+    if args.json:
+        print(json.dumps(summary))
+    else:
+        print("\n".join(f"{k}: {v}" for k, v in summary.items() if k not in HANDOUT_KEYS))
+        print(format_handout(summary))
     return 0
+
+
+HANDOUT_KEYS = ("address", "node_command", "run_command", "reach_note")
+
+
+def handout(cfg: CoordinatorConfig, base: Path, hostnames: list[str]) -> dict:
+    """What an operator starts and what volunteers need: the address to reach (the first name the TLS
+    certificate holds besides localhost, else loopback), the files to send them, and their command line."""
+    public = [h for h in hostnames if h != "localhost"]
+    port = cfg.server.port or "PORT"  # port 0 is picked at start: DIR/ports.json says which
+    address = f"{public[0] if public else '127.0.0.1'}:{port}"
+    ca = resolve_path(base, cfg.server.tls_ca)
+    pub = Path(str(resolve_path(base, cfg.key)) + ".pub")
+    node = f"veriroll node run --coordinator {address} --ca {ca.name} --coordinator-key {pub.name}"
+    if not cfg.server.tls:
+        node = f"veriroll node run --coordinator {address} --coordinator-key {pub.name}"
+    note = ""
+    if cfg.server.host in ("127.0.0.1", "localhost", "::1"):
+        name = public[0] if public else "PUBLIC_NAME"
+        note = (f"It listens on {cfg.server.host}:{port}: only this machine can reach it. For volunteers elsewhere, set "
+                f'server.host = "0.0.0.0" and shardcast.origin_url = "http://{name}:{cfg.shardcast.origin_port}" (the '
+                f"weights' origin relay) in {base / 'coordinator.toml'} and open ports {port} and "
+                f"{cfg.shardcast.origin_port}" + ("." if public else "; init with --hostname PUBLIC_NAME too (the "
+                                                  "TLS certificate must name the address volunteers use)."))
+    return {"address": address, "node_command": node, "run_command": f"veriroll coordinator run --dir {base}",
+            "reach_note": note}
+
+
+def format_handout(summary: dict) -> str:
+    """The lines ``init`` ends with: start the coordinator, then what to hand each volunteer."""
+    lines = ["", "Start the coordinator:", f"  {summary['run_command']}", "",
+             "Hand each volunteer:", f"  the address  {summary['address']}"]
+    if summary.get("tls", True):
+        lines.append(f"  the file     {summary['ca']}   (the CA of the coordinator's TLS certificate)")
+    lines += [f"  the file     {summary['coordinator_key']}   (the key that signs the weights; node id "
+              f"{summary['coordinator_node_id']})",
+              "and this to run, next to those files:",
+              "  pip install -U veriroll && veriroll keygen",
+              f"  {summary['node_command']}"]
+    if summary["reach_note"]:
+        lines += ["", summary["reach_note"]]
+    return "\n".join(lines)
 
 
 def _init(args, base: Path) -> dict:
@@ -130,6 +183,9 @@ def _init(args, base: Path) -> dict:
             p = base / name
             shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
     policy = PolicyStore(resolve_path(base, cfg.checkpoints))
+    from transformers.utils import logging as transformers_logging
+
+    transformers_logging.disable_progress_bar()  # init's output ends with what to hand volunteers, unbroken
     tmp = policy.versions_dir / ".v000000.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     try:
@@ -151,13 +207,32 @@ def _init(args, base: Path) -> dict:
     (base / "coordinator.toml").write_text(f"# veriroll coordinator config ({label}). Paths are relative to this file.\n"
                                            + dump_toml(cfg))
     key = write_keypair(resolve_path(base, cfg.key), force=True)
-    create_tls(resolve_path(base, cfg.server.tls_cert).parent, hostnames=tuple(args.hostname))
+    names, ips = _split_hostnames(args.hostname)
+    create_tls(resolve_path(base, cfg.server.tls_cert).parent, hostnames=names, ips=tuple(dict.fromkeys(("127.0.0.1", "::1", *ips))))
     policy.install(tmp, 0)
     db = st.Database(st.database_target(base, cfg.database))
     db.run_sync(lambda c: st.kv_set(c, "policy_version", 0))
     db.close()
+    # info["path"] named the temporary folder version 0 was built in, gone once installed.
+    info = {k: v for k, v in (info or {}).items() if k != "path"}
     return {"dir": str(base), "preset": preset or None, "coordinator_key": str(resolve_path(base, cfg.key)) + ".pub",
-            "coordinator_node_id": key.node_id, "ca": str(resolve_path(base, cfg.server.tls_ca)), **(info or {})}
+            "coordinator_node_id": key.node_id, "ca": str(resolve_path(base, cfg.server.tls_ca)),
+            "tls": cfg.server.tls, "checkpoint": str(policy.version_dir(0)), **info,
+            **handout(cfg, base, list(args.hostname))}
+
+
+def _split_hostnames(hostnames: list[str]) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """``--hostname`` values as (DNS names, IP addresses): a TLS client checks an IP against the
+    certificate's IP entries, never its DNS names."""
+    names, ips = [], []
+    for h in dict.fromkeys(hostnames):
+        try:
+            ipaddress.ip_address(h)
+        except ValueError:
+            names.append(h)
+        else:
+            ips.append(h)
+    return tuple(names or ["localhost"]), tuple(ips)
 
 
 def _check_prompt_rendering(cfg: CoordinatorConfig, checkpoint: Path) -> None:
@@ -198,15 +273,15 @@ def cmd_run(args) -> int:
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    from veriroll.coordinator.app import serve_forever
+    from veriroll.coordinator.app import CannotListen, DirectoryInUse, serve_forever
 
     _threads(1)
     logging.basicConfig(level=getattr(logging, args.log_level.upper()), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         overrides = [*(args.set or ()), *([f"role={args.role}"] if args.role else [])]
         return asyncio.run(serve_forever(Path(args.dir), overrides=overrides, stop=stop))
-    except (FileNotFoundError, ConfigError) as exc:
-        print(exc, file=sys.stderr)
+    except (FileNotFoundError, ConfigError, DirectoryInUse, CannotListen) as exc:
+        print(f"coordinator run: {exc}", file=sys.stderr)
         return 2
 
 
@@ -291,7 +366,8 @@ def _set_standing(args, standing: str) -> int:
         if row is None:
             print(f"no node matches {args.key!r} (give a node id, a unique prefix, a hex key or a .pub file)", file=sys.stderr)
             return 1
-        db.run_sync(lambda c: st.set_standing(c, row["node_id"], standing, f"operator: {args.reason}" if standing == "banned" else ""))
+        why = f"operator: {args.reason or 'no reason given'}" if standing == st.Standing.BANNED else ""
+        db.run_sync(lambda c: st.set_standing(c, row["node_id"], standing, why))
     finally:
         db.close()
     print(f"{row['node_id']}: {standing}")
@@ -343,5 +419,5 @@ def register(subparsers) -> None:
         q = sub.add_parser(name, help=f"{name} a node by key (.pub file, hex key, node id or unique id prefix)")
         q.add_argument("key")
         q.add_argument("--dir", required=True)
-        q.add_argument("--reason", default="", help="recorded with the ban")
+        q.add_argument("--reason", default="", help="recorded with the ban and shown to the node")
         q.set_defaults(func=lambda a, s=standing: _set_standing(a, s))

@@ -8,9 +8,13 @@ from __future__ import annotations
 
 import ipaddress
 
+from packaging.version import InvalidVersion, Version
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from veriroll.protos.pow import DEFAULT_BITS
+from veriroll.protos.service import SOFTWARE_VERSION
+
+DEFAULT_GRPC_PORT, DEFAULT_ORIGIN_PORT, DEFAULT_HTTP_PORT = 50051, 8470, 8480
 
 
 class _Section(BaseModel):
@@ -19,7 +23,7 @@ class _Section(BaseModel):
 
 class ServerConfig(_Section):
     host: str = Field("127.0.0.1", description="address the gRPC server binds to")
-    port: int = Field(50051, description="gRPC port (0 picks a free one and writes it to DIR/ports.json)")
+    port: int = Field(DEFAULT_GRPC_PORT, description="gRPC port (0 picks a free one and writes it to DIR/ports.json)")
     tls: bool = Field(True, description="serve TLS; plaintext only for tests on loopback")
     tls_cert: str = Field("tls/server.crt", description="server certificate (PEM)")
     tls_key: str = Field("tls/server.key", description="server private key (PEM)")
@@ -31,7 +35,8 @@ class ServerConfig(_Section):
     key_burst: float = Field(60.0, description="burst allowance per node key")
     peer_rate_per_s: float = Field(2000.0, description="sustained requests per second per peer IP address")
     peer_burst: float = Field(4000.0, description="burst allowance per peer IP address")
-    http_port: int = Field(0, description="HTTP port for /metrics, /healthz, the status API and the dashboard (0: pick a free one)")
+    http_port: int = Field(DEFAULT_HTTP_PORT, description="HTTP port for /metrics, /healthz, the status API and the "
+                           "dashboard (0 picks a free one at every start and writes it to DIR/ports.json)")
     idle_timeout_s: float = Field(30.0, gt=0, description="close a gRPC or HTTP connection that has had no request in "
                                                           "flight for this long (clients reconnect when they need to)")
     handshake_timeout_s: float = Field(10.0, gt=0, description="a new connection must finish its TLS and HTTP/2 "
@@ -45,6 +50,19 @@ class ServerConfig(_Section):
                              "processes on one host share them (the kernel spreads connections); role 'edge' sets it")
     body_timeout_s: float = Field(10.0, gt=0, description="a gRPC call's request body must arrive within this after its "
                                   "headers (it is read only once the address has a free slot and the call a deadline)")
+    min_node_version: str = Field(SOFTWARE_VERSION, description="oldest node release (its Register's software_version, "
+                                  "PEP 440) accepted; older ones are refused node_too_old with the upgrade command. "
+                                  "Default: the coordinator's own release; empty: any")
+
+    @field_validator("min_node_version")
+    @classmethod
+    def _version_parses(cls, value: str) -> str:
+        if value:
+            try:
+                Version(value)
+            except InvalidVersion as exc:
+                raise ValueError(f"min_node_version: {value!r} is not a version (e.g. 0.1.0): {exc}") from exc
+        return value
 
 
 class LeaseConfig(_Section):
@@ -121,6 +139,9 @@ class IdentityConfig(_Section):
                                        "forwards the public's connections from")
     max_tracked: int = Field(50_000, ge=1, description="addresses, and separately networks, whose budgets are "
                              "remembered (~25 MiB at most for both); the least recently active is forgotten first")
+    session_ttl_s: float = Field(30.0, gt=0, description="one live node process per key: while a key's session has "
+                                 "heartbeated within this (about 3 of a node's 10 s heartbeats), Register or Heartbeat "
+                                 "from another session of the key is refused key_in_use; after it, another may take over")
 
     @field_validator("exempt_networks")
     @classmethod
@@ -163,7 +184,8 @@ class ShardcastConfig(_Section):
     store: str = Field("shardcast", description="directory the origin relay serves")
     shard_bytes: int = Field(32 * 1024 * 1024, description="shard size")
     keep_versions: int = Field(4, ge=1, description="published versions kept in the store")
-    origin_port: int = Field(0, description="port of the built-in origin relay (0: pick a free one; -1: none)")
+    origin_port: int = Field(DEFAULT_ORIGIN_PORT, description="port of the built-in origin relay (0: pick a free one "
+                             "at every start; -1: none)")
     relays: list[str] = Field(default_factory=list, description="relay URLs announced to nodes (the origin is added)")
     origin_url: str = Field("", description="URL nodes and relays use for the origin relay (default http://HOST:PORT of its bind address)")
     max_transfers_per_address: int = Field(16, ge=0, description="downloads one IP address (IPv6: /64) may run at once "

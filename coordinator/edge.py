@@ -21,7 +21,8 @@ from veriroll.protos.reasons import Reason
 
 class Refusal(Exception):
     """A request refused for ``reason``; ``detail`` is shown to the node. ``counted`` is set once the
-    refusal is recorded, so that it is never recorded twice on its way out."""
+    refusal is recorded, so that it is never recorded twice on its way out. ``node_id`` names the caller
+    when the door refuses it after looking it up (banned, over its key's rate), so it is counted against it."""
 
     def __init__(self, reason: Reason, detail: str = "", *, counted: bool = False, node_id: str = ""):
         detail = bounded_detail(detail or reason.message)
@@ -39,6 +40,16 @@ cut here, so that no check can echo an attacker's megabyte back or lose the reas
 
 def bounded_detail(detail: str) -> str:
     return detail if len(detail) <= MAX_DETAIL_CHARS else detail[:MAX_DETAIL_CHARS - 1] + "…"
+
+
+def banned(node: NodeInfo) -> Refusal:
+    """The refusal of a banned key, saying why: the operator's text or the strikes that banned it."""
+    return Refusal(Reason.BANNED, f"this key is banned ({node.ban_reason or 'no reason recorded'}); "
+                                  "`veriroll node credits` still shows its ledger", node_id=node.node_id)
+
+
+UNBANNED_METHODS = frozenset({"GetLedger"})
+"""What a banned key may still call: reading its own ledger, so a volunteer can learn why it was banned."""
 
 
 class Door:
@@ -61,7 +72,7 @@ class Door:
 
     async def admit(self, method: str, name: str, body: bytes, headers: SignedHeaders, peer: str) -> NodeInfo | None:
         """Signature, replay window, identity, ban and rate checks. Returns the caller (None for a Register
-        from a key not yet registered)."""
+        from a key not yet registered); a banned key only for :data:`UNBANNED_METHODS`."""
         if not self.peer_limits.allow(peer):
             raise Refusal(Reason.RATE_LIMITED, "too many requests from this address")
         # parse_headers already refused these; checked again (a cached lookup) so that no signature is
@@ -85,11 +96,12 @@ class Door:
             raise Refusal(Reason.UNKNOWN_KEY, "node id and key disagree")
         if node is None and name != "Register":
             raise Refusal(Reason.UNKNOWN_KEY)
-        known = node.node_id if node is not None else ""
-        if node is not None and node.standing == Standing.BANNED:
-            raise Refusal(Reason.BANNED, node_id=known)
+        if node is not None and node.standing == Standing.BANNED and name not in UNBANNED_METHODS:
+            raise banned(node)
         if not self.key_limits.allow(headers.public_key.raw):
-            raise Refusal(Reason.RATE_LIMITED, "too many requests for this key", node_id=known)
+            raise Refusal(Reason.RATE_LIMITED, f"too many requests for this key (over {self.cfg.server.key_rate_per_s:g}/s, "
+                                               f"bursts of {self.cfg.server.key_burst:g})",
+                          node_id=node.node_id if node is not None else "")
         return node
 
     async def _use_nonce(self, headers: SignedHeaders, now: int) -> bool:

@@ -33,16 +33,22 @@ class NodeInfo:
     node_id: str
     public_key: bytes
     standing: st.Standing
+    ban_reason: str = ""
+
+
+def _info(row: st.NodeRow) -> NodeInfo:
+    return NodeInfo(row.node_id, row.public_key, row.standing, row.ban_reason)
 
 
 class Ledger:
     def __init__(self, db: st.Database, metrics: CoordinatorMetrics, clock: Callable[[], int], *, max_strikes: int,
-                 probation_groups: int):
+                 probation_groups: int, session_ttl_s: float):
         self.db = db
         self.metrics = metrics
         self.clock = clock
         self.max_strikes = max_strikes
         self.probation_groups = probation_groups
+        self.session_ttl_ms = int(session_ttl_s * 1000)
         self._cache: OrderedDict[str, tuple[NodeInfo | None, int]] = OrderedDict()
 
     # --- who is asking ------------------------------------------------------------------------------
@@ -55,7 +61,7 @@ class Ledger:
             self._cache.move_to_end(node_id)
             return hit[0]
         row = await self.db.run_read(lambda c: st.node_by_id(c, node_id))
-        node = None if row is None else NodeInfo(row.node_id, row.public_key, row.standing)
+        node = None if row is None else _info(row)
         if node is not None:  # unknown keys are not cached: a flood of them must not evict real nodes
             self._remember(node)
         return node
@@ -73,19 +79,40 @@ class Ledger:
     # --- registration and liveness ------------------------------------------------------------------
 
     async def register(self, node_id: str, public_key: bytes, hardware: dict, software_version: str,
-                       display_name: str) -> NodeInfo:
-        """Insert or refresh a node (fields already bounded); its standing is kept across registrations."""
+                       display_name: str, session: st.Session) -> NodeInfo | st.LiveSession:
+        """Insert or refresh a node (fields already bounded; its standing is kept across registrations) and
+        make ``session`` the key's live one; or, changing nothing, the other session that holds the key."""
         now = self.clock()
-        row = await self.db.run(lambda c: st.register_node(c, node_id, public_key, now, hardware, software_version,
-                                                           display_name))
-        node = NodeInfo(row.node_id, row.public_key, row.standing)
+
+        def op(conn):
+            live = st.other_live_session(conn, node_id, session, now, self.session_ttl_ms)
+            if live is not None:
+                return live
+            return st.register_node(conn, node_id, public_key, now, hardware, software_version, display_name, session)
+
+        row = await self.db.run(op)
+        if isinstance(row, st.LiveSession):
+            return row
+        node = _info(row)
         self._remember(node)
         return node
 
-    async def touch(self, node: NodeInfo, loaded_version: int) -> int:
+    async def touch(self, node: NodeInfo, loaded_version: int, session: st.Session, *,
+                    stopping: bool = False) -> int | st.LiveSession:
+        """A heartbeat from ``session``: the time it was recorded at, or, changing nothing, the other
+        session that holds the key. A ``stopping`` session gives the key up."""
         now = self.clock()
-        await self.db.run(lambda c: st.touch_node(c, node.node_id, now, loaded_version))
-        return now
+
+        def op(conn):
+            live = st.other_live_session(conn, node.node_id, session, now, self.session_ttl_ms)
+            if live is not None:
+                return live
+            st.touch_node(conn, node.node_id, now, loaded_version, session)
+            if stopping:
+                st.end_session(conn, node.node_id, session.session_id)
+            return now
+
+        return await self.db.run(op)
 
     async def ledger(self, node: NodeInfo) -> pb.LedgerResponse:
         row = await self.db.run_read(lambda c: st.node_ledger(c, node.node_id))
@@ -93,13 +120,15 @@ class Ledger:
             node_id=node.node_id, standing=row["standing"], accepted_groups=row["accepted_groups"],
             accepted_tokens=row["accepted_tokens"], strikes=row["strikes"],
             rejections_by_reason=row["rejections_by_reason"], credits=float(row["accepted_tokens"]),
+            ban_reason=row["ban_reason"] if row["standing"] == st.Standing.BANNED else "",
         )
 
     # --- refusals -------------------------------------------------------------------------------------
 
     def refusal_op(self, node_id: str, reason: Reason, detail: str = "", lease_id: str = "",
-                   also: Callable | None = None) -> Callable:
-        """The store op that records one refusal (and strike, and ban); ``also`` runs in the same transaction."""
+                   also: Callable | None = None, *, log_event: bool = True) -> Callable:
+        """The store op that records one refusal (and strike, and ban); ``also`` runs in the same transaction.
+        ``log_event=False`` counts it without keeping the event itself."""
         now = self.clock()
         limit = self.max_strikes
 
@@ -107,14 +136,14 @@ class Ledger:
             if also is not None:
                 also(conn)
             return st.record_refusal(conn, node_id, reason.value, strike=reason.strike, strike_limit=limit,
-                                     lease_id=lease_id, detail=detail, now_ms=now)
+                                     lease_id=lease_id, detail=detail, now_ms=now, log_event=log_event)
 
         return op
 
     async def refuse(self, node_id: str, reason: Reason, detail: str = "", lease_id: str = "",
-                     also: Callable | None = None) -> None:
+                     also: Callable | None = None, *, log_event: bool = True) -> None:
         """Record one refusal, durably, then count it in the metrics."""
-        banned_at = await self.db.run(self.refusal_op(node_id, reason, detail, lease_id, also))
+        banned_at = await self.db.run(self.refusal_op(node_id, reason, detail, lease_id, also, log_event=log_event))
         self.counted(node_id, reason, banned_at)
 
     def counted(self, node_id: str, reason: Reason, banned_at: int | None = None) -> None:

@@ -8,6 +8,7 @@ the reason's status code and a ``reason: message`` detail.
 
 from __future__ import annotations
 
+import errno
 import logging
 import time
 from pathlib import Path
@@ -101,13 +102,16 @@ async def start_server(service: CoordinatorService, *, host: str, port: int, tls
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     address = f"{host}:{port}"
-    if tls is None:
-        bound = server.add_insecure_port(address)
-    else:
-        key_pem, cert_pem = tls
-        bound = server.add_secure_port(address, grpc.ssl_server_credentials([(key_pem, cert_pem)]))
+    try:
+        if tls is None:
+            bound = server.add_insecure_port(address)
+        else:
+            key_pem, cert_pem = tls
+            bound = server.add_secure_port(address, grpc.ssl_server_credentials([(key_pem, cert_pem)]))
+    except RuntimeError:  # grpcio says "Failed to bind" without the cause
+        bound = 0
     if bound == 0:
-        raise OSError(f"cannot bind the coordinator to {address}")
+        raise OSError(errno.EADDRINUSE, f"{address} is in use, or not an address of this machine")
     await server.start()
     await health_servicer.set(SERVICE, health_pb2.HealthCheckResponse.SERVING)
     await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)

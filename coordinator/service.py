@@ -19,11 +19,12 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from google.protobuf.message import DecodeError
+from packaging.version import InvalidVersion, Version
 
 from veriroll.coordinator import store as st
 from veriroll.coordinator.admission import NewIdentityLimiter, check_register_pow
 from veriroll.coordinator.config import CoordinatorConfig
-from veriroll.coordinator.edge import Door, Refusal
+from veriroll.coordinator.edge import Door, Refusal, banned
 from veriroll.coordinator.intake import (
     MESSAGES_META_KEY,
     GroupVerifier,
@@ -43,7 +44,7 @@ from veriroll.protos.bounds import field_problem
 from veriroll.protos.envelope import EnvelopeError, SignedHeaders, parse_headers
 from veriroll.protos.identity import PublicKey, public_key_problem
 from veriroll.protos.reasons import Reason
-from veriroll.protos.service import METHODS, full_method
+from veriroll.protos.service import METHODS, UPGRADE_COMMAND, full_method
 from veriroll.protos.v1 import coordinator_pb2 as pb
 
 log = logging.getLogger("veriroll.coordinator")
@@ -94,7 +95,7 @@ class CoordinatorService:
         self.rewards = rewards or RewardRunner(ec.name, ec.kwargs, timeout_s=ec.reward_timeout_s,
                                                workers=ec.reward_workers)
         self.ledger = Ledger(db, self.metrics, now, max_strikes=cfg.intake.max_strikes,
-                             probation_groups=cfg.intake.probation_groups)
+                             probation_groups=cfg.intake.probation_groups, session_ttl_s=cfg.identity.session_ttl_s)
         # With a PostgreSQL store, other edge processes may share it: nonces go where all of them see them.
         self.door = Door(cfg, self.ledger, now, db=db, shared_nonces=st.store_pg.is_url(str(db.path)))
         self.new_identities = NewIdentityLimiter.from_config(cfg.identity)
@@ -158,7 +159,7 @@ class CoordinatorService:
                 raise Refusal(Reason.MALFORMED, problem)
             if name == "Register":
                 response = await self.register(headers, request, node=node, peer=peer)
-            elif name in ("LeaseWork", "SubmitGroup"):
+            elif name in ("Heartbeat", "LeaseWork", "SubmitGroup"):
                 response = await self._handlers[name](node, request, peer=peer)
             else:
                 response = await self._handlers[name](node, request)
@@ -167,7 +168,10 @@ class CoordinatorService:
         except Refusal as refusal:
             self.metrics.requests.inc(method=name, result=refusal.reason.value)
             if not refusal.counted:
-                await self.ledger.refuse(refusal.node_id or node_id, refusal.reason, refusal.detail)
+                # The door's refusals of a known key (banned, over its rate) count against that key but leave
+                # no event row: they are what a flood is made of, and the key's rate limit does not bound them.
+                await self.ledger.refuse(node_id or refusal.node_id, refusal.reason, refusal.detail,
+                                         log_event=bool(node_id))
                 refusal.counted = True
             raise
         # Blind on purpose: any bug below the door is answered as a counted `internal` refusal (logged with
@@ -203,7 +207,7 @@ class CoordinatorService:
         return pb.PolicyInfo(
             version=v, relays=list(self.policy.relays), s_max=s_max,
             coordinator_public_key=self.coordinator_key.raw, manifest_path=self.policy.manifest_path,
-            accepted_versions=list(range(max(0, v - s_max), v + 1)),
+            accepted_versions=list(range(max(0, v - s_max), v + 1)), min_node_version=self.cfg.server.min_node_version,
         )
 
     def _log_identity_policy(self) -> None:
@@ -221,12 +225,17 @@ class CoordinatorService:
                        peer: str = "unknown") -> pb.RegisterResponse:
         """Register a key, or refresh a known one. Only a key the coordinator does not know yet pays: its
         proof of work first (one hash to check), then a token of its address's and network's budget of
-        new identities, so that requests without work spend nobody's budget."""
+        new identities, so that requests without work spend nobody's budget. A node older than
+        ``server.min_node_version`` is refused before it pays anything; a key whose live session is another
+        node process is refused, and that process keeps the key."""
         if bytes(req.public_key) != headers.public_key.raw:
             raise Refusal(Reason.BAD_SIGNATURE, "Register must be signed by the key it registers")
         problem = public_key_problem(bytes(req.public_key))
         if problem is not None:  # never store a key anyone can sign for
             raise Refusal(Reason.BAD_KEY, problem)
+        too_old = node_version_problem(req.software_version, self.cfg.server.min_node_version)
+        if too_old is not None:
+            raise Refusal(Reason.NODE_TOO_OLD, too_old)
         if node is None:
             refused = check_register_pow(self.cfg.identity.pow_bits, self.coordinator_key.raw, req, headers) \
                 or self.new_identities.allow(peer)
@@ -239,15 +248,28 @@ class CoordinatorService:
             "gpus": [{"name": g.name, "memory_bytes": g.memory_bytes} for g in h.gpus[:st.MAX_GPUS]],
         }, req.software_version, req.display_name)
         node = await self.ledger.register(headers.public_key.node_id, headers.public_key.raw, hw, software_version,
-                                          display_name)
+                                          display_name, st.Session(req.session_id, peer))
+        if isinstance(node, st.LiveSession):
+            raise self._key_in_use(node)
         if node.standing == st.Standing.BANNED:
-            raise Refusal(Reason.BANNED)
+            raise banned(node)
         return pb.RegisterResponse(node_id=node.node_id, standing=node.standing, server_time_ms=self.clock(),
                                    policy=self.policy_info())
 
-    async def heartbeat(self, node: NodeInfo, req: pb.HeartbeatRequest) -> pb.HeartbeatResponse:
-        now = await self.ledger.touch(node, int(req.loaded_version))
+    async def heartbeat(self, node: NodeInfo, req: pb.HeartbeatRequest, *, peer: str = "unknown") -> pb.HeartbeatResponse:
+        now = await self.ledger.touch(node, int(req.loaded_version), st.Session(req.session_id, peer),
+                                      stopping=req.stopping)
+        if isinstance(now, st.LiveSession):
+            raise self._key_in_use(now)
         return pb.HeartbeatResponse(server_time_ms=now, policy_version=self.policy.version, standing=node.standing)
+
+    def _key_in_use(self, live: st.LiveSession) -> Refusal:
+        age_s = max(0.0, (self.clock() - live.seen_ms) / 1000)
+        lapse_s = max(0.0, self.cfg.identity.session_ttl_s - age_s)
+        return Refusal(Reason.KEY_IN_USE, f"this key is in use by another node process (at {live.address}, last "
+                                          f"heartbeat {age_s:.0f} s ago); stop that node, or give this one its own key "
+                                          f"(`veriroll keygen --out OTHER.key`); if it stopped without saying so (killed, "
+                                          f"crashed), its claim lapses in {lapse_s:.0f} s")
 
     async def get_policy(self, node: NodeInfo, req: pb.PolicyRequest) -> pb.PolicyResponse:
         return pb.PolicyResponse(policy=self.policy_info())
@@ -286,6 +308,22 @@ class CoordinatorService:
     def close(self) -> None:
         self.intake.close()
         self.rewards.close()
+
+
+def node_version_problem(software_version: str, minimum: str) -> str | None:
+    """Why a node reporting ``software_version`` is too old for ``minimum`` (PEP 440; empty: any), or None.
+    A version that does not parse is refused too: it is no release of this project."""
+    if not minimum:
+        return None
+    try:
+        too_old = Version(software_version) < Version(minimum)
+    except InvalidVersion:
+        too_old = True
+    if not too_old:
+        return None
+    said = st.bounded_text(software_version, st.NAME_CHARS) or "(no version)"
+    return (f"this node runs veriroll {said}; this coordinator accepts {minimum} "
+            f"or newer: upgrade with `{UPGRADE_COMMAND}` and start the node again")
 
 
 def encode_prompt(tokenizer, text: str) -> list[int]:

@@ -45,7 +45,10 @@ CREATE TABLE IF NOT EXISTS nodes (
     accepted_groups INTEGER NOT NULL DEFAULT 0,
     accepted_tokens INTEGER NOT NULL DEFAULT 0,
     loaded_version INTEGER NOT NULL DEFAULT -1,
-    ban_reason TEXT NOT NULL DEFAULT ''
+    ban_reason TEXT NOT NULL DEFAULT '',
+    session_id TEXT NOT NULL DEFAULT '',
+    session_address TEXT NOT NULL DEFAULT '',
+    session_seen_ms INTEGER NOT NULL DEFAULT 0
 );
 CREATE TABLE IF NOT EXISTS prompts (
     prompt_id INTEGER PRIMARY KEY AUTOINCREMENT,
@@ -193,6 +196,10 @@ WHERE NOT EXISTS (SELECT 1 FROM counters WHERE name = 'queued_groups')
 """
 
 
+# The node process that holds each key (see ``other_live_session``): columns added to older databases.
+_SESSION_COLUMNS = {"session_id": "TEXT NOT NULL DEFAULT ''", "session_address": "TEXT NOT NULL DEFAULT ''",
+                    "session_seen_ms": "INTEGER NOT NULL DEFAULT 0"}
+
 
 class Standing(StrEnum):
     """A node's standing: new keys start on probation, clean verified groups make them trusted, strikes or
@@ -265,6 +272,10 @@ def connect(path: str | Path) -> sqlite3.Connection:
     if "probation" not in {r["name"] for r in conn.execute("PRAGMA table_info(leases)")}:
         # A database from before probation caps: its open leases count as trusted ones.
         conn.execute("ALTER TABLE leases ADD COLUMN probation INTEGER NOT NULL DEFAULT 0")
+    node_columns = {r["name"] for r in conn.execute("PRAGMA table_info(nodes)")}
+    for column, declaration in _SESSION_COLUMNS.items():
+        if column not in node_columns:  # a database from before sessions: no key has a live one
+            conn.execute(f"ALTER TABLE nodes ADD COLUMN {column} {declaration}")
     conn.executescript(_LEASE_COUNTERS)
     if conn.execute("SELECT COUNT(*) FROM counters WHERE name IN ('open_leases', 'open_probation_leases')").fetchone()[0] < 2:
         conn.executescript("BEGIN IMMEDIATE;" + _INIT_LEASE_COUNTERS + "COMMIT;")
@@ -560,31 +571,78 @@ class NodeRow:
     node_id: str
     public_key: bytes
     standing: Standing
+    ban_reason: str = ""
 
 
 def node_by_id(conn: sqlite3.Connection, node_id: str) -> NodeRow | None:
     """One node by its id (the primary key): the same cost at 10 or 10,000 registered nodes."""
-    r = conn.execute("SELECT node_id, public_key, standing FROM nodes WHERE node_id = ?", (node_id,)).fetchone()
-    return None if r is None else NodeRow(r["node_id"], bytes(r["public_key"]), Standing(r["standing"]))
+    r = conn.execute("SELECT node_id, public_key, standing, ban_reason FROM nodes WHERE node_id = ?",
+                     (node_id,)).fetchone()
+    return None if r is None else NodeRow(r["node_id"], bytes(r["public_key"]), Standing(r["standing"]), r["ban_reason"])
+
+
+@dataclass(frozen=True)
+class Session:
+    """One node process's claim on its key: a random id it made at start, and the address it calls from.
+    An empty id claims nothing (a tool such as ``node doctor`` using the key while the node runs)."""
+
+    session_id: str
+    address: str
+
+
+@dataclass(frozen=True)
+class LiveSession:
+    """The session that holds a key: where it calls from and when it last registered or heartbeated."""
+
+    address: str
+    seen_ms: int
+
+
+def other_live_session(conn: sqlite3.Connection, node_id: str, session: Session, now_ms: int,
+                       ttl_ms: int) -> LiveSession | None:
+    """Another session of this key that registered or heartbeated within ``ttl_ms``, or None (no such
+    session, or ``session`` claims nothing): then ``session`` may hold the key."""
+    if not session.session_id:
+        return None
+    r = conn.execute("SELECT session_address, session_seen_ms FROM nodes WHERE node_id = ? AND session_id NOT IN ('', ?) "
+                     "AND session_seen_ms >= ?", (node_id, session.session_id, now_ms - ttl_ms)).fetchone()
+    return None if r is None else LiveSession(r["session_address"], int(r["session_seen_ms"]))
+
+
+def _hold_session(conn: sqlite3.Connection, node_id: str, session: Session | None, now_ms: int) -> None:
+    if session is not None and session.session_id:
+        conn.execute("UPDATE nodes SET session_id = ?, session_address = ?, session_seen_ms = ? WHERE node_id = ?",
+                     (session.session_id, session.address, now_ms, node_id))
 
 
 def register_node(conn: sqlite3.Connection, node_id: str, public_key: bytes, now_ms: int, hardware: dict,
-                  software_version: str, display_name: str) -> NodeRow:
-    """Insert a new node on probation, or refresh a known one's self-description (its standing is kept)."""
+                  software_version: str, display_name: str, session: Session | None = None) -> NodeRow:
+    """Insert a new node on probation, or refresh a known one's self-description (its standing is kept);
+    ``session`` becomes the key's live one (check :func:`other_live_session` first)."""
     r = conn.execute(
         "INSERT INTO nodes(node_id, public_key, registered_ms, last_seen_ms, hardware, software_version, display_name) "
         "VALUES(?, ?, ?, ?, ?, ?, ?) ON CONFLICT(node_id) DO UPDATE SET last_seen_ms = excluded.last_seen_ms, "
         "hardware = excluded.hardware, software_version = excluded.software_version, display_name = excluded.display_name "
-        "RETURNING standing",
+        "RETURNING standing, ban_reason",
         (node_id, public_key, now_ms, now_ms, json.dumps(hardware), software_version, display_name),
     ).fetchone()
-    return NodeRow(node_id, public_key, Standing(r["standing"]))
+    _hold_session(conn, node_id, session, now_ms)
+    return NodeRow(node_id, public_key, Standing(r["standing"]), r["ban_reason"])
 
 
-def touch_node(conn: sqlite3.Connection, node_id: str, now_ms: int, loaded_version: int) -> None:
-    """A heartbeat: when the node was last seen and which version it has loaded."""
+def end_session(conn: sqlite3.Connection, node_id: str, session_id: str) -> None:
+    """``session_id`` stopped: if it held the key, the key is free for another process at once."""
+    conn.execute("UPDATE nodes SET session_id = '' WHERE node_id = ? AND session_id = ? AND session_id != ''",
+                 (node_id, session_id))
+
+
+def touch_node(conn: sqlite3.Connection, node_id: str, now_ms: int, loaded_version: int,
+               session: Session | None = None) -> None:
+    """A heartbeat: when the node was last seen and which version it has loaded; ``session`` stays the
+    key's live one (check :func:`other_live_session` first)."""
     conn.execute("UPDATE nodes SET last_seen_ms = ?, loaded_version = ? WHERE node_id = ?",
                  (now_ms, loaded_version, node_id))
+    _hold_session(conn, node_id, session, now_ms)
 
 
 def node_ledger(conn: sqlite3.Connection, node_id: str) -> dict | None:
@@ -596,10 +654,11 @@ def node_ledger(conn: sqlite3.Connection, node_id: str) -> dict | None:
 
 
 def record_refusal(conn: sqlite3.Connection, node_id: str, reason: str, *, strike: bool, strike_limit: int,
-                   lease_id: str = "", detail: str = "", now_ms: int = 0) -> int | None:
-    """Count a refusal; for a hard failure, strike the node (a trusted node goes back on probation) and
-    ban it at ``strike_limit`` strikes. Returns the node's strikes when this refusal banned it, else None."""
-    count_rejection(conn, node_id, reason, lease_id, detail, now_ms, log=bool(node_id))
+                   lease_id: str = "", detail: str = "", now_ms: int = 0, log_event: bool = True) -> int | None:
+    """Count a refusal (and keep the event, for a known node, unless ``log_event`` is False); for a hard
+    failure, strike the node (a trusted node goes back on probation) and ban it at ``strike_limit`` strikes.
+    Returns the node's strikes when this refusal banned it, else None."""
+    count_rejection(conn, node_id, reason, lease_id, detail, now_ms, log=bool(node_id) and log_event)
     if not (node_id and strike):
         return None
     row = conn.execute("UPDATE nodes SET strikes = strikes + 1, clean_groups = 0, "

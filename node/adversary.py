@@ -37,7 +37,7 @@ import numpy as np
 import torch
 
 from veriroll.protos.envelope import sign_request
-from veriroll.protos.service import CallError, SignedStub, full_method
+from veriroll.protos.service import SOFTWARE_VERSION, CallError, SignedStub, full_method
 from veriroll.protos.v1 import coordinator_pb2 as pb
 
 log = logging.getLogger("veriroll.node.adversary")
@@ -431,7 +431,7 @@ class StolenLease(Adversary):
     async def _accomplice(self, agent) -> SignedStub:
         if self._stub is None:
             stub = SignedStub(agent.stub.channel, self.accomplice, timeout=agent.stub.timeout)
-            await stub.register(pb.RegisterRequest(public_key=self.accomplice.public.raw, software_version="0",
+            await stub.register(pb.RegisterRequest(public_key=self.accomplice.public.raw, software_version=SOFTWARE_VERSION,
                                                    display_name="accomplice"))
             self._stub = stub
         return self._stub

@@ -12,6 +12,7 @@ import contextlib
 import json
 import logging
 import random
+import secrets
 import threading
 import time
 from collections import Counter
@@ -26,7 +27,7 @@ from veriroll.node.config import NodeConfig
 from veriroll.node.hardware import Hardware
 from veriroll.protos.identity import PrivateKey
 from veriroll.protos.reasons import Reason
-from veriroll.protos.service import CallError, SignedStub
+from veriroll.protos.service import SOFTWARE_VERSION, CallError, SignedStub
 from veriroll.protos.v1 import coordinator_pb2 as pb
 from veriroll.toploc import commit_many  # noqa: F401 - fail closed: a node that cannot make proofs won't start
 
@@ -40,7 +41,7 @@ def dtype_name(dtype) -> str:
 
 log = logging.getLogger("veriroll.node")
 
-VERSION = "0.1.0"
+VERSION = SOFTWARE_VERSION
 RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED,
              grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN, grpc.StatusCode.CANCELLED}
 
@@ -175,6 +176,9 @@ class NodeAgent:
         self.busy_threads: list[threading.Thread] = []  # engine work left running when the node abandoned it
         self._backoff = Backoff()
         self._tok_window: list[tuple[float, int]] = []
+        # This process's claim on its key, in Register and Heartbeat: the coordinator refuses a second process
+        # running the same key (key_in_use) while this one heartbeats.
+        self.session_id = secrets.token_hex(16)
 
     # --- coordinator calls with retry -------------------------------------------------------------
 
@@ -277,7 +281,7 @@ class NodeAgent:
         hw = self.hardware
         req = pb.RegisterRequest(
             public_key=self.key.public.raw, software_version=VERSION, display_name=self.cfg.display_name,
-            hardware=pb.HardwareReport(
+            session_id=self.session_id, hardware=pb.HardwareReport(
                 cpu=hw.cpu, cpu_count=hw.cpu_count, ram_bytes=hw.ram_bytes, disk_free_bytes=hw.disk_free_bytes,
                 os=hw.os, engine=self.engine_kind, device=self.device,
                 gpus=[pb.Gpu(name=g.name, memory_bytes=g.memory_bytes) for g in hw.gpus]),
@@ -338,7 +342,8 @@ class NodeAgent:
             try:
                 resp = await self.stub.heartbeat(pb.HeartbeatRequest(
                     loaded_version=self.engine.version if self.engine and self.engine.version is not None else -1,
-                    leases_in_flight=self.status.leases_in_flight, tokens_per_s=self.status.tokens_per_s))
+                    leases_in_flight=self.status.leases_in_flight, tokens_per_s=self.status.tokens_per_s,
+                    session_id=self.session_id))
                 self.status.standing = resp.standing
                 self.status.note_version(resp.policy_version)
                 if self.policy is None or resp.policy_version != self.policy.version:

@@ -26,6 +26,8 @@ LIMITS: dict[tuple[str, str], int] = {
     ("RegisterRequest", "public_key"): 32,
     ("RegisterRequest", "software_version"): 256,
     ("RegisterRequest", "display_name"): 1024,
+    ("RegisterRequest", "session_id"): 64,
+    ("HeartbeatRequest", "session_id"): 64,
     ("LeaseRequest", "available_versions"): 64,
     ("SubmitGroupRequest", "lease_id"): 64,
     ("SubmitGroupRequest", "samples"): 256,  # leases.group_size is at most 256

@@ -5,7 +5,8 @@ trailer and as the prefix of the status message (``"lease_expired: ..."``), coun
 globally, and the node shows it to its operator. ``strike`` marks the reasons that only a dishonest
 or broken node produces: they count towards a ban. Clock skew, an expired lease or a stale version
 can happen to anyone and never strike; nor does a missing proof of work or a full budget of new keys
-(docs/registration.md): those refuse a key that has no history yet.
+(docs/registration.md): those refuse a key that has no history yet; nor does a key already running in
+another node process, or a release older than the coordinator accepts.
 """
 
 from __future__ import annotations
@@ -32,6 +33,9 @@ class Reason(str, enum.Enum):
     POW_REQUIRED = "pow_required"
     POW_INVALID = "pow_invalid"
     NEW_IDENTITY_LIMITED = "new_identity_limited"
+    # who may use a key: one live node process per key, a recent enough release
+    KEY_IN_USE = "key_in_use"
+    NODE_TOO_OLD = "node_too_old"
     # lease
     LEASE_UNKNOWN = "lease_unknown"
     LEASE_NOT_YOURS = "lease_not_yours"
@@ -85,6 +89,9 @@ _CODES = {
     Reason.POW_REQUIRED: _C.FAILED_PRECONDITION,
     Reason.POW_INVALID: _C.INVALID_ARGUMENT,
     Reason.NEW_IDENTITY_LIMITED: _C.RESOURCE_EXHAUSTED,
+    # Neither is retried by a node: waiting does not stop the other process or upgrade this one.
+    Reason.KEY_IN_USE: _C.FAILED_PRECONDITION,
+    Reason.NODE_TOO_OLD: _C.FAILED_PRECONDITION,
     Reason.LEASE_UNKNOWN: _C.NOT_FOUND,
     Reason.LEASE_NOT_YOURS: _C.PERMISSION_DENIED,
     Reason.LEASE_EXPIRED: _C.FAILED_PRECONDITION,
@@ -128,7 +135,8 @@ _MESSAGES = {
                      "create a new key with `veriroll keygen`"),
     Reason.CLOCK_SKEW: "the request timestamp is outside the accepted window; check your system clock (NTP)",
     Reason.REPLAYED_NONCE: "this nonce was already used; every request needs a fresh nonce",
-    Reason.BANNED: "this key is banned after repeated failed checks",
+    Reason.BANNED: ("this key is banned (by the coordinator's operator, or after repeated failed checks); "
+                    "`veriroll node credits` shows why and its ledger"),
     Reason.RATE_LIMITED: "too many requests; slow down and retry later",
     Reason.MESSAGE_TOO_LARGE: "the request is larger than the coordinator accepts",
     Reason.MALFORMED: "the request body is not a valid message",
@@ -138,6 +146,9 @@ _MESSAGES = {
                          "request's timestamp"),
     Reason.NEW_IDENTITY_LIMITED: ("too many new keys registered from this address or its network in the last "
                                   "hour; retry later, or keep using an existing key"),
+    Reason.KEY_IN_USE: ("another node process is running with this key; stop it, or give this node its own key "
+                        "(`veriroll keygen --out OTHER.key`)"),
+    Reason.NODE_TOO_OLD: "this node's release is older than the coordinator accepts; upgrade: pip install -U veriroll",
     Reason.LEASE_UNKNOWN: "no such lease",
     Reason.LEASE_NOT_YOURS: "this lease was issued to another node",
     Reason.LEASE_EXPIRED: "the lease deadline has passed; its prompt went back to the pool",

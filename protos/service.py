@@ -7,6 +7,7 @@ serializer, so what the server hashes is byte for byte what the client signed.
 from __future__ import annotations
 
 import asyncio
+import importlib.metadata
 import threading
 import time
 from dataclasses import dataclass
@@ -20,6 +21,11 @@ from veriroll.protos.reasons import Reason
 from veriroll.protos.v1 import coordinator_pb2 as pb
 
 SERVICE = "veriroll.v1.Coordinator"
+
+SOFTWARE_VERSION = importlib.metadata.version("veriroll")
+"""This release (pyproject's version, read from the installed package): what a node reports in Register,
+and the oldest node release a coordinator accepts unless its operator says otherwise."""
+UPGRADE_COMMAND = "pip install -U veriroll"
 
 METHODS: dict[str, tuple[type, type]] = {
     "Register": (pb.RegisterRequest, pb.RegisterResponse),

@@ -50,7 +50,9 @@ def make_coordinator_dir(root: Path, overrides: dict | None = None, *, tls: bool
                 "environment.kwargs": {"min_digits": 1, "max_digits": 1},
                 # Registration's proof of work and per-address budget have their own tests
                 # (test_admission, test_identity_cost); here every test's nodes come from loopback.
-                "identity.pow_bits": 0, "identity.exempt_networks": ["127.0.0.0/8", "::1/128"]}
+                "identity.pow_bits": 0, "identity.exempt_networks": ["127.0.0.0/8", "::1/128"],
+                # Free ports, as tests run side by side; clients here report any version ("test").
+                "server.http_port": 0, "server.min_node_version": ""}
     settings.update(overrides or {})
     cfg = load_config(CoordinatorConfig, overrides=settings)
     (base / "coordinator.toml").write_text(dump_toml(cfg))

@@ -36,20 +36,22 @@ class HardwareReport(_message.Message):
     def __init__(self, cpu: _Optional[str] = ..., cpu_count: _Optional[int] = ..., ram_bytes: _Optional[int] = ..., disk_free_bytes: _Optional[int] = ..., gpus: _Optional[_Iterable[_Union[Gpu, _Mapping]]] = ..., os: _Optional[str] = ..., engine: _Optional[str] = ..., device: _Optional[str] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
-    __slots__ = ("public_key", "hardware", "software_version", "display_name", "pow_nonce", "pow_bits")
+    __slots__ = ("public_key", "hardware", "software_version", "display_name", "pow_nonce", "pow_bits", "session_id")
     PUBLIC_KEY_FIELD_NUMBER: _ClassVar[int]
     HARDWARE_FIELD_NUMBER: _ClassVar[int]
     SOFTWARE_VERSION_FIELD_NUMBER: _ClassVar[int]
     DISPLAY_NAME_FIELD_NUMBER: _ClassVar[int]
     POW_NONCE_FIELD_NUMBER: _ClassVar[int]
     POW_BITS_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     public_key: bytes
     hardware: HardwareReport
     software_version: str
     display_name: str
     pow_nonce: int
     pow_bits: int
-    def __init__(self, public_key: _Optional[bytes] = ..., hardware: _Optional[_Union[HardwareReport, _Mapping]] = ..., software_version: _Optional[str] = ..., display_name: _Optional[str] = ..., pow_nonce: _Optional[int] = ..., pow_bits: _Optional[int] = ...) -> None: ...
+    session_id: str
+    def __init__(self, public_key: _Optional[bytes] = ..., hardware: _Optional[_Union[HardwareReport, _Mapping]] = ..., software_version: _Optional[str] = ..., display_name: _Optional[str] = ..., pow_nonce: _Optional[int] = ..., pow_bits: _Optional[int] = ..., session_id: _Optional[str] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
     __slots__ = ("node_id", "standing", "server_time_ms", "policy")
@@ -64,14 +66,18 @@ class RegisterResponse(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., standing: _Optional[str] = ..., server_time_ms: _Optional[int] = ..., policy: _Optional[_Union[PolicyInfo, _Mapping]] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("loaded_version", "leases_in_flight", "tokens_per_s")
+    __slots__ = ("loaded_version", "leases_in_flight", "tokens_per_s", "session_id", "stopping")
     LOADED_VERSION_FIELD_NUMBER: _ClassVar[int]
     LEASES_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
     TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    STOPPING_FIELD_NUMBER: _ClassVar[int]
     loaded_version: int
     leases_in_flight: int
     tokens_per_s: float
-    def __init__(self, loaded_version: _Optional[int] = ..., leases_in_flight: _Optional[int] = ..., tokens_per_s: _Optional[float] = ...) -> None: ...
+    session_id: str
+    stopping: bool
+    def __init__(self, loaded_version: _Optional[int] = ..., leases_in_flight: _Optional[int] = ..., tokens_per_s: _Optional[float] = ..., session_id: _Optional[str] = ..., stopping: _Optional[bool] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
     __slots__ = ("server_time_ms", "policy_version", "standing")
@@ -168,20 +174,22 @@ class PolicyRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class PolicyInfo(_message.Message):
-    __slots__ = ("version", "relays", "s_max", "coordinator_public_key", "manifest_path", "accepted_versions")
+    __slots__ = ("version", "relays", "s_max", "coordinator_public_key", "manifest_path", "accepted_versions", "min_node_version")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     RELAYS_FIELD_NUMBER: _ClassVar[int]
     S_MAX_FIELD_NUMBER: _ClassVar[int]
     COORDINATOR_PUBLIC_KEY_FIELD_NUMBER: _ClassVar[int]
     MANIFEST_PATH_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    MIN_NODE_VERSION_FIELD_NUMBER: _ClassVar[int]
     version: int
     relays: _containers.RepeatedScalarFieldContainer[str]
     s_max: int
     coordinator_public_key: bytes
     manifest_path: str
     accepted_versions: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, version: _Optional[int] = ..., relays: _Optional[_Iterable[str]] = ..., s_max: _Optional[int] = ..., coordinator_public_key: _Optional[bytes] = ..., manifest_path: _Optional[str] = ..., accepted_versions: _Optional[_Iterable[int]] = ...) -> None: ...
+    min_node_version: str
+    def __init__(self, version: _Optional[int] = ..., relays: _Optional[_Iterable[str]] = ..., s_max: _Optional[int] = ..., coordinator_public_key: _Optional[bytes] = ..., manifest_path: _Optional[str] = ..., accepted_versions: _Optional[_Iterable[int]] = ..., min_node_version: _Optional[str] = ...) -> None: ...
 
 class PolicyResponse(_message.Message):
     __slots__ = ("policy",)
@@ -194,7 +202,7 @@ class LedgerRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class LedgerResponse(_message.Message):
-    __slots__ = ("node_id", "standing", "accepted_groups", "accepted_tokens", "strikes", "rejections_by_reason", "credits")
+    __slots__ = ("node_id", "standing", "accepted_groups", "accepted_tokens", "strikes", "rejections_by_reason", "credits", "ban_reason")
     class RejectionsByReasonEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -209,6 +217,7 @@ class LedgerResponse(_message.Message):
     STRIKES_FIELD_NUMBER: _ClassVar[int]
     REJECTIONS_BY_REASON_FIELD_NUMBER: _ClassVar[int]
     CREDITS_FIELD_NUMBER: _ClassVar[int]
+    BAN_REASON_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     standing: str
     accepted_groups: int
@@ -216,4 +225,5 @@ class LedgerResponse(_message.Message):
     strikes: int
     rejections_by_reason: _containers.ScalarMap[str, int]
     credits: float
-    def __init__(self, node_id: _Optional[str] = ..., standing: _Optional[str] = ..., accepted_groups: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., strikes: _Optional[int] = ..., rejections_by_reason: _Optional[_Mapping[str, int]] = ..., credits: _Optional[float] = ...) -> None: ...
+    ban_reason: str
+    def __init__(self, node_id: _Optional[str] = ..., standing: _Optional[str] = ..., accepted_groups: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., strikes: _Optional[int] = ..., rejections_by_reason: _Optional[_Mapping[str, int]] = ..., credits: _Optional[float] = ..., ban_reason: _Optional[str] = ...) -> None: ...
