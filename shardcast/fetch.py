@@ -108,6 +108,9 @@ PARTIAL_SUFFIX = ".shardcast-partial"
 PRIOR_BPS = 100e6  # throughput assumed for a relay not yet measured: optimistic, so each gets tried
 BAD_PENALTY = 0.02  # weight factor per bad shard served: a relay that lied is a last resort
 EWMA_ALPHA = 0.3
+# How often relays that did not have the version are asked again during a fetch: a mirror that starts
+# streaming it after the fetch began takes its share of the load from then on.
+REPROBE_S = 1.0
 SYNC_EVERY = 64 * 1024 * 1024  # flush written data to disk in the background every this many bytes per file
 _CONTENT_RANGE = re.compile(r"bytes (\d+)-(\d+)/(\d+|\*)")
 
@@ -844,9 +847,15 @@ class _Fetch:
             add(job)
         active: dict[asyncio.Task, tuple[_Job, _Relay, list[int]]] = {}
         accepted = 0
+        probing: asyncio.Future | None = None
+        last_probe = time.monotonic()
         try:
             while pending or active:
                 now = time.monotonic()
+                latecomers = [r for r in self.relays if r.reachable and version not in r.holds]
+                if latecomers and (probing is None or probing.done()) and now - last_probe >= REPROBE_S:
+                    probing = asyncio.gather(*(self._probe(r) for r in latecomers))
+                    last_probe = now
                 launched = True
                 while launched and len(active) < self.concurrency:
                     launched = False
@@ -889,6 +898,8 @@ class _Fetch:
                     await asyncio.sleep(min(wait, 5.0) if wait > 0 else 0.05)
                     continue
                 future_retries = [t for j in pending if (t := retry_at.get(j, 0.0)) > now]
+                if latecomers:
+                    future_retries.append(last_probe + REPROBE_S)
                 timeout = max(0.0, min(future_retries) - now) if future_retries else None
                 done, _ = await asyncio.wait(active, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
                 for task in done:
@@ -937,8 +948,9 @@ class _Fetch:
         finally:
             for task in active:
                 task.cancel()
-            if active:
-                await asyncio.gather(*active, return_exceptions=True)
+            if probing is not None:
+                probing.cancel()
+            await asyncio.gather(*active, *([probing] if probing is not None else []), return_exceptions=True)
         return accepted
 
     def _delta_problem(self, why: str) -> None:

@@ -112,9 +112,10 @@ DEFAULT_POLL_INTERVAL = 5.0
 DEFAULT_IDLE_TIMEOUT = 10.0  # also the header timeout: a request head must be complete by then
 DEFAULT_MIN_SEND_RATE = 256 * 1024  # bytes/s a client must keep up, on average, to keep its download
 DEFAULT_SEND_GRACE = 30.0
-# How long a request for bytes a streaming mirror has not verified yet waits for them before a 503: well
-# under a fetch's read timeout (20 s by default), so the client hears "not yet" rather than silence.
-DEFAULT_STREAM_WAIT = 5.0
+# How long a request for bytes a streaming mirror has not verified yet waits for them before a 503: under
+# a fetch's read timeout (20 s by default), so the client hears "not yet" rather than silence, and long
+# enough that a shard on its way is usually sent the moment it is verified.
+DEFAULT_STREAM_WAIT = 10.0
 DEFAULT_MAX_TRANSFERS = 512
 DEFAULT_MAX_CONNECTIONS = 2048
 # A node downloads at most 2 shards from one relay at once (fetch.DEFAULT_PER_RELAY) over a few pooled
