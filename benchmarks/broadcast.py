@@ -17,7 +17,9 @@
 
 2. **Tree against direct** (``benchmarks/shardcast.py --skip-single --no-address-limits``, run as a
    child): clients through origin → 2 streaming mirror relays (``tree_s``) and straight from the
-   origin (``direct_s``), each until the last client holds a verified checkpoint.
+   origin (``direct_s``), each until the last client holds a verified checkpoint; with the library's
+   default of 8 shards at once per client, and again with 2 (``*_2_streams``: see that benchmark's
+   docstring for why).
 
     .venv/bin/python benchmarks/broadcast.py [--quick]
 
@@ -129,10 +131,10 @@ def measure_delta(work: Path, key, key_pub: Path, base: Path, stepped: Path) -> 
     }
 
 
-def tree_vs_direct(size_mib: int, clients: int) -> dict:
+def tree_vs_direct(size_mib: int, clients: int, concurrency: int) -> dict:
     out = subprocess.run(
         [sys.executable, str(HERE / "shardcast.py"), "--skip-single", "--no-address-limits",
-         "--size-mib", str(size_mib), "--clients", str(clients)],
+         "--size-mib", str(size_mib), "--clients", str(clients), "--client-concurrency", str(concurrency)],
         capture_output=True, text=True, timeout=1800, check=True,
     )  # fmt: skip
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -164,9 +166,13 @@ def main() -> None:
                       f"delta built in {row['delta_build_s']} s; fetch whole {row['whole_s']} s, rebuilt "
                       f"{row['rebuild_s']} s")  # fmt: skip
         shutil.rmtree(work)
-        tree = tree_vs_direct(size_mib, clients)
-        print(f"tree (streaming mirrors) {tree['tree_s']} s vs direct {tree['direct_s']} s for {clients} clients, "
-              f"{size_mib} MiB; origin copies {tree['origin_copies_tree']} vs {tree['origin_copies_direct']}")  # fmt: skip
+        trees = {}
+        for concurrency in (8, 2):
+            tree = trees[concurrency] = tree_vs_direct(size_mib, clients, concurrency)
+            print(f"tree (streaming mirrors) {tree['tree_s']} s vs direct {tree['direct_s']} s for {clients} clients, "
+                  f"{size_mib} MiB, {concurrency} shards at once per client; origin copies "
+                  f"{tree['origin_copies_tree']} vs {tree['origin_copies_direct']}")  # fmt: skip
+        tree = trees[8]
         print(
             json.dumps(
                 {
@@ -177,6 +183,8 @@ def main() -> None:
                     "direct_s": tree["direct_s"],
                     "origin_copies_tree": tree["origin_copies_tree"],
                     "origin_copies_direct": tree["origin_copies_direct"],
+                    "tree_s_2_streams": trees[2]["tree_s"],
+                    "direct_s_2_streams": trees[2]["direct_s"],
                     "tree_size_mib": size_mib,
                     "tree_clients": clients,
                     "deltas": deltas,

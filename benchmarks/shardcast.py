@@ -22,6 +22,9 @@ the mirrors' downloads with the clients' instead of adding them up.
 ``--no-address-limits`` turns off the relays' per-address limits: on loopback every client is
 127.0.0.1, so they would count 16 clients as one address and make them queue (real clients have
 addresses of their own). ``--skip-single`` runs only the tree and the direct phases.
+``--client-concurrency`` sets the shards each client downloads at once: with the default (8, at most 2
+per relay) a client of the tree keeps 4 streams open and one of the direct phase 2, and on 2 shared
+cores the extra streams cost more than they bring; ``--client-concurrency 2`` compares like with like.
 
     .venv/bin/python benchmarks/shardcast.py [--quick] [--size-mib 256] [--clients 16] [--repeats 3]
 
@@ -52,7 +55,7 @@ import psutil
 
 from veriroll.protos.identity import write_keypair
 from veriroll.shardcast.errors import NoRelayReachableError, VersionGoneError
-from veriroll.shardcast.fetch import fetch_version
+from veriroll.shardcast.fetch import DEFAULT_CONCURRENCY, fetch_version
 from veriroll.shardcast.publish import publish_checkpoint
 from veriroll.shardcast.store import version_dir
 
@@ -156,11 +159,13 @@ class RssSampler:
         self._thread.join()
 
 
-def run_clients(n: int, relays: list[str], key_pub: Path, outs: Path, go: Path) -> list[subprocess.Popen]:
+def run_clients(
+    n: int, relays: list[str], key_pub: Path, outs: Path, go: Path, concurrency: int
+) -> list[subprocess.Popen]:
     procs = []
     for i in range(n):
         cmd = [sys.executable, str(HERE), "--role", "client", "--key", str(key_pub), "--out", str(outs / f"c{i}"),
-               "--go", str(go)]  # fmt: skip
+               "--go", str(go), "--client-concurrency", str(concurrency)]  # fmt: skip
         for r in relays:
             cmd += ["--relay", r]
         procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
@@ -196,7 +201,7 @@ def role_static(directory: str, port: int) -> None:
     web.run_app(app, host="127.0.0.1", port=port, print=None, access_log=None)
 
 
-def role_client(relays: list[str], key: str, out: str, go: str) -> None:
+def role_client(relays: list[str], key: str, out: str, go: str, concurrency: int) -> None:
     """Wait for the go file, then fetch version 1, retrying until the relays hold it."""
     Path(out + ".ready-to-go").touch()
     while not os.path.exists(go):
@@ -204,7 +209,7 @@ def role_client(relays: list[str], key: str, out: str, go: str) -> None:
     start = time.time()
     while True:
         try:
-            result = asyncio.run(fetch_version(relays, key, out, 1, progress=False))
+            result = asyncio.run(fetch_version(relays, key, out, 1, progress=False, concurrency=concurrency))
             break
         except (VersionGoneError, NoRelayReachableError):
             time.sleep(0.05)  # the relays do not hold it yet
@@ -278,6 +283,8 @@ def main() -> None:
     ap.add_argument("--workdir", default=None, help="where to put stores and outputs (default: a temp dir)")
     ap.add_argument("--no-address-limits", action="store_true", help="relays without per-address limits")
     ap.add_argument("--skip-single", action="store_true", help="only the tree and direct phases")
+    ap.add_argument("--client-concurrency", type=int, default=DEFAULT_CONCURRENCY,
+                    help=f"shards each client downloads at once (default {DEFAULT_CONCURRENCY}, the library's)")  # fmt: skip
     ap.add_argument("--role", default="main", help=argparse.SUPPRESS)
     ap.add_argument("--dir", help=argparse.SUPPRESS)
     ap.add_argument("--port", type=int, help=argparse.SUPPRESS)
@@ -289,7 +296,7 @@ def main() -> None:
     if args.role == "static":
         return role_static(args.dir, args.port)
     if args.role == "client":
-        return role_client(args.relay, args.key, args.out, args.go)
+        return role_client(args.relay, args.key, args.out, args.go, args.client_concurrency)
     if args.quick:
         args.size_mib, args.clients, args.repeats = 64, 4, 5
 
@@ -324,7 +331,7 @@ def main() -> None:
             outs = work / "tree"
             outs.mkdir()
             go = work / "go-tree"
-            clients = run_clients(args.clients, [r1_url, r2_url], key_pub, outs, go)
+            clients = run_clients(args.clients, [r1_url, r2_url], key_pub, outs, go, args.client_concurrency)
             wait_clients_ready(outs, args.clients)
             t0 = time.time()
             os.rename(version_dir(work / "staging", 1), version_dir(origin_store, 1))
@@ -341,7 +348,7 @@ def main() -> None:
             outs = work / "direct"
             outs.mkdir()
             go = work / "go-direct"
-            clients = run_clients(args.clients, [origin_url], key_pub, outs, go)
+            clients = run_clients(args.clients, [origin_url], key_pub, outs, go, args.client_concurrency)
             wait_clients_ready(outs, args.clients)
             t0 = time.time()
             go.touch()
@@ -366,6 +373,7 @@ def main() -> None:
                     "relay_peak_rss_mb": round(relay_peak_rss_mb, 1),
                     **{k: v for k, v in (single or {}).items() if k != "single_client_ratio"},
                     "address_limits": not args.no_address_limits,
+                    "client_concurrency": args.client_concurrency,
                     "publish_s": round(publish_s, 3),
                     "size_mib": round(total / 2**20, 1),
                     "clients": args.clients,

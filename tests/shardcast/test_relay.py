@@ -470,3 +470,17 @@ def test_a_streaming_version_whose_fetch_fails_is_no_longer_served(store, coord_
     status, after = run(go())
     assert status == 404
     assert after["streaming"] == [] and after["versions"] == [] and "version 1" in after["mirror"]["last_error"]
+
+
+def test_coverage_merges_ranges_and_covers_only_what_was_added():
+    from veriroll.shardcast.relay import _Coverage
+
+    c = _Coverage()
+    c.add(10, 20)
+    c.add(30, 40)
+    assert c.covers(10, 20) and c.covers(12, 18) and not c.covers(10, 21) and not c.covers(0, 5)
+    c.add(20, 30)  # touching both: one range
+    assert (c.starts, c.ends) == ([10], [40]) and c.covers(10, 40)
+    c.add(0, 5)
+    c.add(50, 60)
+    assert (c.starts, c.ends) == ([0, 10, 50], [5, 40, 60]) and not c.covers(4, 11)
