@@ -743,7 +743,7 @@ class _Fetch:
             raise_if_disk_full(exc, self.staging / shard.file)
             raise
 
-    async def _download_piece(self, relay: _Relay, manifest: Manifest, piece: DeltaPiece, counted: list[int]) -> bool:
+    async def _download_piece(self, relay: _Relay, manifest: Manifest, piece: DeltaPiece) -> bool:
         """Get delta piece ``piece`` intact, keep it (``keep_delta``) and rebuild its shard if planned.
 
         Returns True when the shard was rebuilt. A relay that sends other bytes is a _Failure (bad); a
@@ -883,9 +883,9 @@ class _Fetch:
                         choice.inflight += 1
                         attempts[job] += 1
                         shard = manifest.shards[job.shard]
-                        counted = [0]
+                        counted = [0]  # bytes counted in the progress so far (pieces count once rebuilt)
                         if job.kind == PIECE:
-                            work = self._download_piece(choice, manifest, self.pieces[job.shard], counted)
+                            work = self._download_piece(choice, manifest, self.pieces[job.shard])
                         else:
                             work = self._download(choice, manifest, shard, fds[shard.file], counted)
                         active[asyncio.create_task(work)] = (job, choice, counted)
