@@ -14,7 +14,17 @@ publishes it, and runs every server and client as its own process:
    ``origin_copies_tree`` = bytes the origin served / checkpoint size.
 3. **direct**: the same clients fetch straight from the origin: ``direct_s``, ``origin_copies_direct``.
 
+Mirror relays stream: they serve each shard as soon as they have verified it, so ``tree_s`` pipelines
+the mirrors' downloads with the clients' instead of adding them up.
+
 ``relay_peak_rss_mb`` is the highest resident memory any relay process reached (sampled every 20 ms).
+
+``--no-address-limits`` turns off the relays' per-address limits: on loopback every client is
+127.0.0.1, so they would count 16 clients as one address and make them queue (real clients have
+addresses of their own). ``--skip-single`` runs only the tree and the direct phases.
+``--client-concurrency`` sets the shards each client downloads at once: with the default (8, at most 2
+per relay) a client of the tree keeps 4 streams open and one of the direct phase 2, and on 2 shared
+cores the extra streams cost more than they bring; ``--client-concurrency 2`` compares like with like.
 
     .venv/bin/python benchmarks/shardcast.py [--quick] [--size-mib 256] [--clients 16] [--repeats 3]
 
@@ -45,7 +55,7 @@ import psutil
 
 from veriroll.protos.identity import write_keypair
 from veriroll.shardcast.errors import NoRelayReachableError, VersionGoneError
-from veriroll.shardcast.fetch import fetch_version
+from veriroll.shardcast.fetch import DEFAULT_CONCURRENCY, fetch_version
 from veriroll.shardcast.publish import publish_checkpoint
 from veriroll.shardcast.store import version_dir
 
@@ -79,11 +89,13 @@ def build_checkpoint(path: Path, size: int) -> None:
 
 
 def start_relay(
-    store: Path, key_pub: Path, *, upstreams=(), poll: float = 0.2
+    store: Path, key_pub: Path, *, upstreams=(), poll: float = 0.2, address_limits: bool = True
 ) -> tuple[subprocess.Popen, str]:
     port = free_port()
     cmd = [sys.executable, "-m", "veriroll.shardcast.cli", "relay", "run", "--store", str(store),
            "--port", str(port), "--coordinator-key", str(key_pub), "--poll-interval", str(poll)]  # fmt: skip
+    if not address_limits:
+        cmd += ["--max-transfers-per-address", "0", "--max-connections-per-address", "0"]
     for u in upstreams:
         cmd += ["--upstream", u]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -147,11 +159,13 @@ class RssSampler:
         self._thread.join()
 
 
-def run_clients(n: int, relays: list[str], key_pub: Path, outs: Path, go: Path) -> list[subprocess.Popen]:
+def run_clients(
+    n: int, relays: list[str], key_pub: Path, outs: Path, go: Path, concurrency: int
+) -> list[subprocess.Popen]:
     procs = []
     for i in range(n):
         cmd = [sys.executable, str(HERE), "--role", "client", "--key", str(key_pub), "--out", str(outs / f"c{i}"),
-               "--go", str(go)]  # fmt: skip
+               "--go", str(go), "--client-concurrency", str(concurrency)]  # fmt: skip
         for r in relays:
             cmd += ["--relay", r]
         procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
@@ -187,7 +201,7 @@ def role_static(directory: str, port: int) -> None:
     web.run_app(app, host="127.0.0.1", port=port, print=None, access_log=None)
 
 
-def role_client(relays: list[str], key: str, out: str, go: str) -> None:
+def role_client(relays: list[str], key: str, out: str, go: str, concurrency: int) -> None:
     """Wait for the go file, then fetch version 1, retrying until the relays hold it."""
     Path(out + ".ready-to-go").touch()
     while not os.path.exists(go):
@@ -195,7 +209,7 @@ def role_client(relays: list[str], key: str, out: str, go: str) -> None:
     start = time.time()
     while True:
         try:
-            result = asyncio.run(fetch_version(relays, key, out, 1, progress=False))
+            result = asyncio.run(fetch_version(relays, key, out, 1, progress=False, concurrency=concurrency))
             break
         except (VersionGoneError, NoRelayReachableError):
             time.sleep(0.05)  # the relays do not hold it yet
@@ -222,6 +236,44 @@ async def our_fetch(relay: str, key_pub: Path, dest: Path, *, fsync: bool) -> fl
     return time.perf_counter() - t0
 
 
+def measure_single(args, work: Path, origin_store: Path, relay_url: str, key_pub: Path, published, procs) -> dict:
+    """Phase 1: one client through one relay against a plain static download of the same bytes."""
+    total = published.total_bytes
+    static, static_url = start_static(version_dir(origin_store, 1))
+    procs.append(static)
+    wait_up(static_url)
+    plain_times, ours_times, fsync_times = [], [], []
+    for i in range(args.repeats):
+        dest = work / f"plain{i}.bin"
+        plain_times.append(asyncio.run(plain_download(f"{static_url}/model.safetensors", dest)))
+        dest.unlink()
+        for fsync, times in ((False, ours_times), (True, fsync_times)):
+            out = work / f"single{i}"
+            times.append(asyncio.run(our_fetch(relay_url, key_pub, out, fsync=fsync)))
+            shutil.rmtree(out)
+    weights = published.manifest.file("model.safetensors").size
+    # Throughput: the plain download carries the weights file, the fetch the whole checkpoint.
+    plain_mbps = weights / statistics.median(plain_times) / 1e6
+    ours_mbps = total / statistics.median(ours_times) / 1e6
+    fsync_mbps = total / statistics.median(fsync_times) / 1e6
+    # Like for like: the plain download neither hashes nor fsyncs; the fetch hashes every shard
+    # (the ratio's "hashing included"). The library default also fsyncs before marking the
+    # version ready, which on loopback measures the disk more than the transfer: reported apart.
+    single_client_ratio = ours_mbps / plain_mbps
+    single_client_ratio_fsync = fsync_mbps / plain_mbps
+    print(f"single client: fetch {ours_mbps:.0f} MB/s (with fsync {fsync_mbps:.0f}) vs plain static "
+          f"{plain_mbps:.0f} MB/s: ratio {single_client_ratio:.2f} ({single_client_ratio_fsync:.2f} with "
+          f"fsync); times {[round(x, 2) for x in ours_times]} / {[round(x, 2) for x in fsync_times]} vs "
+          f"{[round(x, 2) for x in plain_times]}")  # fmt: skip
+    return {
+        "single_client_ratio": round(single_client_ratio, 3),
+        "single_client_ratio_fsync": round(single_client_ratio_fsync, 3),
+        "single_client_fetch_mbps": round(ours_mbps, 1),
+        "single_client_fetch_fsync_mbps": round(fsync_mbps, 1),
+        "single_client_plain_mbps": round(plain_mbps, 1),
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="64 MiB, 4 clients, 5 repeats")
@@ -229,6 +281,10 @@ def main() -> None:
     ap.add_argument("--clients", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--workdir", default=None, help="where to put stores and outputs (default: a temp dir)")
+    ap.add_argument("--no-address-limits", action="store_true", help="relays without per-address limits")
+    ap.add_argument("--skip-single", action="store_true", help="only the tree and direct phases")
+    ap.add_argument("--client-concurrency", type=int, default=DEFAULT_CONCURRENCY,
+                    help=f"shards each client downloads at once (default {DEFAULT_CONCURRENCY}, the library's)")  # fmt: skip
     ap.add_argument("--role", default="main", help=argparse.SUPPRESS)
     ap.add_argument("--dir", help=argparse.SUPPRESS)
     ap.add_argument("--port", type=int, help=argparse.SUPPRESS)
@@ -240,7 +296,7 @@ def main() -> None:
     if args.role == "static":
         return role_static(args.dir, args.port)
     if args.role == "client":
-        return role_client(args.relay, args.key, args.out, args.go)
+        return role_client(args.relay, args.key, args.out, args.go, args.client_concurrency)
     if args.quick:
         args.size_mib, args.clients, args.repeats = 64, 4, 5
 
@@ -262,9 +318,10 @@ def main() -> None:
 
         origin_store = work / "origin"
         origin_store.mkdir()
-        origin, origin_url = start_relay(origin_store, key_pub)
-        r1, r1_url = start_relay(work / "r1", key_pub, upstreams=[origin_url])
-        r2, r2_url = start_relay(work / "r2", key_pub, upstreams=[origin_url])
+        limits = not args.no_address_limits
+        origin, origin_url = start_relay(origin_store, key_pub, address_limits=limits)
+        r1, r1_url = start_relay(work / "r1", key_pub, upstreams=[origin_url], address_limits=limits)
+        r2, r2_url = start_relay(work / "r2", key_pub, upstreams=[origin_url], address_limits=limits)
         procs += [origin, r1, r2]
         for u in (origin_url, r1_url, r2_url):
             wait_up(u)
@@ -274,7 +331,7 @@ def main() -> None:
             outs = work / "tree"
             outs.mkdir()
             go = work / "go-tree"
-            clients = run_clients(args.clients, [r1_url, r2_url], key_pub, outs, go)
+            clients = run_clients(args.clients, [r1_url, r2_url], key_pub, outs, go, args.client_concurrency)
             wait_clients_ready(outs, args.clients)
             t0 = time.time()
             os.rename(version_dir(work / "staging", 1), version_dir(origin_store, 1))
@@ -291,7 +348,7 @@ def main() -> None:
             outs = work / "direct"
             outs.mkdir()
             go = work / "go-direct"
-            clients = run_clients(args.clients, [origin_url], key_pub, outs, go)
+            clients = run_clients(args.clients, [origin_url], key_pub, outs, go, args.client_concurrency)
             wait_clients_ready(outs, args.clients)
             t0 = time.time()
             go.touch()
@@ -302,48 +359,21 @@ def main() -> None:
                   f"{origin_copies_direct:.2f} copies")  # fmt: skip
             shutil.rmtree(outs)
 
-            # -- single client through one relay vs a plain static download of the same bytes
-            static, static_url = start_static(version_dir(origin_store, 1))
-            procs.append(static)
-            wait_up(static_url)
-            plain_times, ours_times, fsync_times = [], [], []
-            for i in range(args.repeats):
-                dest = work / f"plain{i}.bin"
-                plain_times.append(asyncio.run(plain_download(f"{static_url}/model.safetensors", dest)))
-                dest.unlink()
-                for fsync, times in ((False, ours_times), (True, fsync_times)):
-                    out = work / f"single{i}"
-                    times.append(asyncio.run(our_fetch(r1_url, key_pub, out, fsync=fsync)))
-                    shutil.rmtree(out)
-            weights = published.manifest.file("model.safetensors").size
-            # Throughput: the plain download carries the weights file, the fetch the whole checkpoint.
-            plain_mbps = weights / statistics.median(plain_times) / 1e6
-            ours_mbps = total / statistics.median(ours_times) / 1e6
-            fsync_mbps = total / statistics.median(fsync_times) / 1e6
-            # Like for like: the plain download neither hashes nor fsyncs; the fetch hashes every shard
-            # (the ratio's "hashing included"). The library default also fsyncs before marking the
-            # version ready, which on loopback measures the disk more than the transfer: reported apart.
-            single_client_ratio = ours_mbps / plain_mbps
-            single_client_ratio_fsync = fsync_mbps / plain_mbps
-            print(f"single client: fetch {ours_mbps:.0f} MB/s (with fsync {fsync_mbps:.0f}) vs plain static "
-                  f"{plain_mbps:.0f} MB/s: ratio {single_client_ratio:.2f} ({single_client_ratio_fsync:.2f} with "
-                  f"fsync); times {[round(x, 2) for x in ours_times]} / {[round(x, 2) for x in fsync_times]} vs "
-                  f"{[round(x, 2) for x in plain_times]}")  # fmt: skip
+            single = None if args.skip_single else measure_single(args, work, origin_store, r1_url, key_pub, published, procs)
         relay_peak_rss_mb = rss.peak / 2**20
         print(f"relay peak RSS {relay_peak_rss_mb:.0f} MB")
         print(
             json.dumps(
                 {
-                    "single_client_ratio": round(single_client_ratio, 3),
+                    "single_client_ratio": single["single_client_ratio"] if single else None,
                     "tree_s": round(tree_s, 3),
                     "direct_s": round(direct_s, 3),
                     "origin_copies_tree": round(origin_copies_tree, 3),
                     "origin_copies_direct": round(origin_copies_direct, 3),
                     "relay_peak_rss_mb": round(relay_peak_rss_mb, 1),
-                    "single_client_ratio_fsync": round(single_client_ratio_fsync, 3),
-                    "single_client_fetch_mbps": round(ours_mbps, 1),
-                    "single_client_fetch_fsync_mbps": round(fsync_mbps, 1),
-                    "single_client_plain_mbps": round(plain_mbps, 1),
+                    **{k: v for k, v in (single or {}).items() if k != "single_client_ratio"},
+                    "address_limits": not args.no_address_limits,
+                    "client_concurrency": args.client_concurrency,
                     "publish_s": round(publish_s, 3),
                     "size_mib": round(total / 2**20, 1),
                     "clients": args.clients,

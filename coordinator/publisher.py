@@ -3,7 +3,8 @@
 At start the origin relay (a shardcast :class:`RelayServer` over ``shardcast.store``) comes up and the
 current policy version is published if the store lacks it. The trainer calls
 ``coord.publish_version(v)`` after installing each new version; publishing (hashing, copying,
-signing) runs in a worker thread. Nodes learn the relay list and the manifest path via GetPolicy.
+signing, and the delta against the previous version) runs in a worker thread. Nodes learn the relay
+list and the manifest path via GetPolicy.
 """
 
 from __future__ import annotations
@@ -41,16 +42,20 @@ async def start_publisher(coord, key: PrivateKey) -> None:
             if version in list_versions(store):
                 return
             src = coord.policy_store.version_dir(version)
+            # Also as a delta against the newest version published before it: nodes that hold that one
+            # fetch a fraction of the bytes (shardcast/delta.py).
+            older = [v for v in list_versions(store) if v < version]
             # Hard links, not copies: installed versions are never modified in place.
             result = await asyncio.to_thread(publish_checkpoint, src, store, key, version, shard_size=cfg.shard_bytes,
-                                             keep=cfg.keep_versions, link=True)
+                                             keep=cfg.keep_versions, link=True, delta_from=older[-1] if older else None)
             relay.refresh(force=True)
             coord.service.policy.manifest_path = f"/versions/{version}/manifest"
             # Edge processes (role 'edge') read where the version is announced from the store.
             announcement = {"version": version, "manifest_path": coord.service.policy.manifest_path,
                             "relays": list(coord.service.policy.relays)}
             await coord.db.run(lambda c: st.kv_set(c, ANNOUNCEMENT_KEY, announcement))
-            log.info("published version %d (%d bytes in %.2fs)", version, result.total_bytes, result.seconds)
+            log.info("published version %d (%d bytes, delta %d bytes, in %.2fs)", version, result.total_bytes,
+                     result.delta_bytes, result.seconds)
 
     coord.publish_version = publish_version
     # Announce configured relays first (they exist to take load off the origin), the origin last.

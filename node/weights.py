@@ -157,7 +157,9 @@ class RelayVersions:
 
         if self.coordinator_key is None:
             raise RuntimeError("no coordinator key to check checkpoints against yet")
-        result = await fetch_version(relays, self.coordinator_key, self._dir(version), version=version, progress=False)
+        # Versions held already are bases: a version published as a delta against one of them is rebuilt from it.
+        result = await fetch_version(relays, self.coordinator_key, self._dir(version), version=version, progress=False,
+                                     bases=[self._dir(v) for v in reversed(self.available())])
         for bad in result.bad_relays:
             self.bad_relays.add(bad.relay)
             log.warning("relay %s served bad data for version %d (%s: %s); it was avoided", bad.relay, version,

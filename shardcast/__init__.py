@@ -3,10 +3,12 @@
 - :func:`publish_checkpoint` (``publish.py``): split a checkpoint into shards, sign the manifest, store it.
 - :class:`RelayServer` (``relay.py``): serve a store (origin) or mirror upstream relays.
 - :func:`fetch_version` / :func:`fetch_version_sync` (``fetch.py``): get a version, every byte verified.
+- ``delta.py``: versions as lossless deltas against the version before (XOR + zstd, per shard).
 - ``manifest.py``: the pure manifest format; ``errors.py``: the failures, as types.
 """
 
 from .errors import (
+    DeltaError,
     DiskFullError,
     ManifestError,
     ManifestSignatureError,
@@ -24,6 +26,7 @@ from .publish import PublishResult, publish_checkpoint
 from .relay import RelayServer, serve_relay
 
 __all__ = [
+    "DeltaError",
     "DiskFullError",
     "FetchResult",
     "Manifest",

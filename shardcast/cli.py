@@ -69,6 +69,7 @@ def cmd_publish(args: argparse.Namespace) -> int:
             shard_size=args.shard_size,
             keep=args.keep,
             link=args.link,
+            delta_from=args.delta_from,
         )
     except (ShardcastError, OSError) as exc:
         return _fail(exc)
@@ -80,6 +81,7 @@ def cmd_publish(args: argparse.Namespace) -> int:
                 "files": len(result.manifest.files),
                 "shards": len(result.manifest.shards),
                 "bytes": result.total_bytes,
+                "delta_bytes": result.delta_bytes,
                 "seconds": round(result.seconds, 3),
                 "removed_versions": result.removed_versions,
             }
@@ -102,6 +104,7 @@ def cmd_fetch(args: argparse.Namespace) -> int:
                 concurrency=args.concurrency,
                 read_timeout=args.timeout,
                 progress=None if not args.quiet else False,
+                bases=args.base,
             )
         )
     except (ShardcastError, OSError) as exc:
@@ -120,6 +123,9 @@ def cmd_fetch(args: argparse.Namespace) -> int:
                 "already_present": result.already_present,
                 "bytes_downloaded": result.bytes_downloaded,
                 "bytes_reused": result.bytes_reused,
+                "delta_bytes": result.delta_bytes,
+                "shards_rebuilt": result.shards_rebuilt,
+                "delta_problems": result.delta_problems,
                 "seconds": round(result.seconds, 3),
                 "bad_relays": sorted(result.bad_relay_urls),
             }
@@ -155,6 +161,7 @@ def cmd_relay_run(args: argparse.Namespace) -> int:
                 max_connections_per_address=args.max_connections_per_address,
                 max_transfers=args.max_transfers,
                 max_transfers_per_address=args.max_transfers_per_address,
+                stream_wait=args.stream_wait,
             )
         )
     except (ShardcastError, OSError) as exc:
@@ -179,6 +186,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--keep", type=int, default=3, help="versions to keep in the store (default 3)")
     p.add_argument("--link", action="store_true", help="hard-link files into the store instead of copying")
+    p.add_argument("--delta-from", type=int, default=None, metavar="VERSION",
+                   help="also publish a delta against this older version of the store")  # fmt: skip
     p.set_defaults(func=cmd_publish)
 
     f = sc_sub.add_parser("fetch", help="fetch and verify a checkpoint version from relays")
@@ -190,6 +199,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     f.add_argument("--concurrency", type=int, default=8, help="shards downloaded at once (default 8)")
     f.add_argument("--timeout", type=float, default=20.0, help="seconds a relay may stay silent (default 20)")
     f.add_argument("--quiet", action="store_true", help="no progress bar even on a terminal")
+    f.add_argument("--base", action="append", default=[], metavar="DIR",
+                   help="a checkpoint fetched before: rebuild from it where the version has a delta (repeatable)")  # fmt: skip
     f.set_defaults(func=cmd_fetch)
 
     r = subparsers.add_parser("relay", help="run a shardcast relay")
@@ -240,6 +251,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         metavar="N",
         help="file downloads at once from one IPv4 address or IPv6 /64; 0: no limit "
         f"(default {relay.DEFAULT_MAX_TRANSFERS_PER_ADDRESS})",
+    )
+    run.add_argument(
+        "--stream-wait",
+        type=float,
+        default=relay.DEFAULT_STREAM_WAIT,
+        help="while mirroring, how long a request for bytes not verified yet waits before a 503 "
+        f"(default {relay.DEFAULT_STREAM_WAIT:g} s)",
     )
     run.set_defaults(func=cmd_relay_run)
 

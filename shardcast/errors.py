@@ -36,6 +36,14 @@ class ShardUnavailableError(ShardcastError):
     """Relays hold the version, but some shard could not be obtained intact from any of them."""
 
 
+class DeltaError(ShardcastError):
+    """A delta piece cannot rebuild its shard (wrong base, wrong size, corrupt or oversized data).
+
+    Never fatal to a fetch: the shard is fetched whole instead, and the reason is kept in
+    ``FetchResult.delta_problems``.
+    """
+
+
 class DiskFullError(ShardcastError, OSError):
     """The target filesystem ran out of space (ENOSPC) or quota (EDQUOT)."""
 

@@ -26,6 +26,16 @@ and catch nothing more, at the cost of a second SHA-256 pass (on 2 cores, a thir
 ``verify_files=True`` does it anyway, in order, while the download runs (for audits, or a disk you do
 not trust); a file that then hashes wrong has its bad shards fetched again.
 
+Deltas (``delta.py``): when the manifest carries a delta against a version found among ``bases`` (the
+checkpoints the caller already holds), the shards it covers are rebuilt from the base and the delta's
+pieces instead of being downloaded: each piece is hashed on arrival like a shard (a relay that alters
+one is reported), decompressed no further than the shard's size, XORed with the base, and the result is
+checked against the manifest's hash of the shard. Whatever goes wrong with a delta (no base, a base
+whose manifest differs from the one the delta names, a piece that decompresses to the wrong size or
+rebuilds wrong bytes, no relay serving the delta) costs only the download of that shard whole; the
+reasons are in ``FetchResult.delta_problems``. A mirror (``keep_delta``) also keeps every piece, so that
+it can serve the delta in turn.
+
 Downloads go into ``<parent>/.<name>.shardcast-partial/`` with a journal of finished shards; a fetch
 that is interrupted (killed, disk full, relays gone) and run again skips the shards it already has,
 after hashing them again from disk: a journal that lies costs a refetch, never a bad checkpoint.
@@ -53,7 +63,9 @@ import aiohttp
 
 from veriroll.protos.identity import KeyFileError, PublicKey, load_public_key
 
+from .delta import rebuild_shard
 from .errors import (
+    DeltaError,
     ManifestError,
     ManifestSignatureError,
     NoRelayReachableError,
@@ -63,8 +75,17 @@ from .errors import (
     VersionGoneError,
     WrongVersionError,
 )
-from .manifest import MAX_MANIFEST_BYTES, Manifest, ShardEntry, signing_message, verify_manifest
+from .manifest import (
+    MAX_MANIFEST_BYTES,
+    DeltaPiece,
+    Manifest,
+    ShardEntry,
+    manifest_sha256,
+    signing_message,
+    verify_manifest,
+)
 from .store import (
+    DELTA_NAME,
     MANIFEST_NAME,
     READY_NAME,
     fsync_dir,
@@ -87,6 +108,9 @@ PARTIAL_SUFFIX = ".shardcast-partial"
 PRIOR_BPS = 100e6  # throughput assumed for a relay not yet measured: optimistic, so each gets tried
 BAD_PENALTY = 0.02  # weight factor per bad shard served: a relay that lied is a last resort
 EWMA_ALPHA = 0.3
+# How often relays that did not have the version are asked again during a fetch: a mirror that starts
+# streaming it after the fetch began takes its share of the load from then on.
+REPROBE_S = 1.0
 SYNC_EVERY = 64 * 1024 * 1024  # flush written data to disk in the background every this many bytes per file
 _CONTENT_RANGE = re.compile(r"bytes (\d+)-(\d+)/(\d+|\*)")
 
@@ -136,10 +160,18 @@ class FetchResult:
     bad_relays: list[RelayIncident]
     failures: list[RelayIncident]
     relays: dict[str, RelayStats]
+    delta_bytes: int = 0  # bytes of delta pieces accepted in this call
+    shards_rebuilt: int = 0  # shards rebuilt from a base and a delta piece instead of downloaded
+    delta_problems: list[str] = field(default_factory=list)  # why a delta, or a piece of it, was not used
 
     @property
     def bad_relay_urls(self) -> set[str]:
         return {i.relay for i in self.bad_relays}
+
+    @property
+    def bytes_shipped(self) -> int:
+        """Bytes that crossed the network for this call: whole shards plus delta pieces."""
+        return self.bytes_downloaded + self.delta_bytes
 
 
 # -- relay state -------------------------------------------------------------------------------------
@@ -151,6 +183,7 @@ class _Relay:
         self.stats = RelayStats(url)
         self.holds: set[int] = set()
         self.gone: set[int] = set()  # versions it answered 404 for during this fetch
+        self.no_delta: set[int] = set()  # versions whose delta it answered 404 for
         self.successes = 0
         self.failures = 0
         self.bad_events = 0
@@ -165,6 +198,9 @@ class _Relay:
     def has(self, version: int) -> bool:
         return self.reachable and version in self.holds and version not in self.gone
 
+    def serves(self, job: _Job, version: int) -> bool:
+        return self.has(version) and (job.kind != PIECE or version not in self.no_delta)
+
     def weight(self, prior_bps: float) -> float:
         score = (self.successes + 1) / (self.successes + self.failures + 2)
         bps = self.ewma_bps if self.ewma_bps is not None else prior_bps
@@ -178,6 +214,17 @@ class _Relay:
         self.stats.bytes += nbytes
         self.stats.shards += 1
         self.stats.throughput_bps = self.ewma_bps
+
+
+SHARD, PIECE = "shard", "piece"
+
+
+@dataclass(frozen=True)
+class _Job:
+    """One download: shard ``shard`` whole, or the delta piece that rebuilds it."""
+
+    kind: str
+    shard: int
 
 
 class _Failure(Exception):
@@ -274,6 +321,10 @@ class _Fetch:
         progress: bool | None,
         on_progress: Callable[[int, int], None] | None,
         session: aiohttp.ClientSession | None,
+        bases: Sequence[str | os.PathLike],
+        keep_delta: bool,
+        on_staged: Callable[[Manifest, bytes, Path], None] | None,
+        on_verified: Callable[[str, int, int], None] | None,
     ):
         if not relays:
             raise ValueError("give at least one relay URL")
@@ -301,6 +352,14 @@ class _Fetch:
         self.failures: list[RelayIncident] = []
         self.staging = out_dir.parent / f".{out_dir.name}{PARTIAL_SUFFIX}"
         self.done_bytes = 0
+        self.bases = [Path(b) for b in bases]
+        self.keep_delta = keep_delta
+        self.on_staged = on_staged
+        self.on_verified = on_verified
+        self.delta_bytes = 0
+        self.shards_rebuilt = 0
+        self.delta_problems: list[str] = []
+        self.pieces_kept: set[int] = set()  # shards whose delta piece is in the staging delta file
 
     # ---- incidents
 
@@ -328,9 +387,13 @@ class _Fetch:
                 body = await _read_capped(resp, 1024 * 1024)
             status = json.loads(body)
             versions = status.get("versions") if isinstance(status, dict) else None
-            if not isinstance(versions, list) or not all(
-                isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in versions
-            ):
+            # A mirror lists what it holds whole in "versions" and what it is still mirroring, and already
+            # serves shard by shard, in "streaming": either is a version to ask it for.
+            streaming = status.get("streaming", []) if isinstance(status, dict) else None
+            if not isinstance(versions, list) or not isinstance(streaming, list):
+                raise _Failure("bad-status", "GET /status did not list versions")
+            versions = versions + streaming
+            if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in versions):
                 raise _Failure("bad-status", "GET /status did not list versions as integers")
         except _Failure as exc:
             self._report(relay, exc.kind, None, exc.detail, bad=False)
@@ -477,22 +540,27 @@ class _Fetch:
         return done
 
     def _open_files(self, manifest: Manifest) -> dict[str, int]:
+        """A descriptor for each file of the staging directory, sized and reserved (the delta file too,
+        under DELTA_NAME, when it is to be kept)."""
         fds: dict[str, int] = {}
+        files = [(f.name, f.size) for f in manifest.files]
+        if self.keep_delta and manifest.delta is not None:
+            files.append((DELTA_NAME, manifest.delta.size))
         try:
-            for f in manifest.files:
-                path = self.staging / f.name
+            for name, size in files:
+                path = self.staging / name
                 path.parent.mkdir(parents=True, exist_ok=True)
                 fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-                fds[f.name] = fd
-                if f.size:
+                fds[name] = fd
+                if size:
                     # Reserve the space now: a full disk is reported before the download, not after.
                     try:
-                        os.posix_fallocate(fd, 0, f.size)
+                        os.posix_fallocate(fd, 0, size)
                     except OSError as exc:
                         if exc.errno in (errno.ENOSPC, errno.EDQUOT):
                             raise
                         # EOPNOTSUPP/EINVAL: the filesystem cannot reserve; writes will tell
-                os.ftruncate(fd, f.size)
+                os.ftruncate(fd, size)
         except OSError as exc:
             for fd in fds.values():
                 os.close(fd)
@@ -500,8 +568,49 @@ class _Fetch:
             raise
         return fds
 
+    def _open_base(self, manifest: Manifest) -> dict[int, int]:
+        """Shard index -> descriptor of the base file to rebuild it from, for each shard still to get that
+        the manifest's delta covers and one of ``bases`` can rebuild."""
+        delta = manifest.delta
+        if delta is None:
+            return {}
+        for base in self.bases:
+            if base.absolute() in (self.out_dir, self.staging) or not is_ready(base):
+                continue
+            try:
+                held = verify_manifest((base / MANIFEST_NAME).read_bytes(), self.key)
+            except (OSError, ShardcastError):
+                continue
+            if held.version != delta.base_version:
+                continue
+            if manifest_sha256(held) != delta.base_manifest_sha256:
+                self._delta_problem(
+                    f"{base} holds version {held.version}, but not the one the delta was made against "
+                    "(its manifest differs)"
+                )
+                continue
+            plan: dict[int, int] = {}
+            for piece in delta.pieces:
+                shard = manifest.shards[piece.shard]
+                if piece.shard in self.done:
+                    continue
+                entry = held.file(shard.file)
+                if entry is None or entry.size != manifest.file(shard.file).size:
+                    self._delta_problem(f"the base has no {shard.file!r} of the same size (shard {piece.shard})")
+                    continue
+                if shard.file not in self.base_fds:
+                    self.base_fds[shard.file] = os.open(base / shard.file, os.O_RDONLY)
+                plan[piece.shard] = self.base_fds[shard.file]
+            return plan
+        return {}
+
     def _finish(self, manifest: Manifest, manifest_bytes: bytes, fds: dict[str, int]) -> None:
         """fsync, write the ready marker, and move the staging directory to ``out_dir`` atomically."""
+        if DELTA_NAME in fds and self.pieces_kept != set(self.pieces):
+            # A delta file with holes would be served as if whole: keep none rather than that.
+            log.warning("not keeping the delta of version %d: %d of its %d pieces could not be had",
+                        manifest.version, len(self.pieces) - len(self.pieces_kept), len(self.pieces))
+            (self.staging / DELTA_NAME).unlink(missing_ok=True)
         try:
             if self.fsync:
                 for fd in fds.values():
@@ -533,10 +642,10 @@ class _Fetch:
 
     # ---- choosing a relay
 
-    def _choose(self, version: int, shard: int, tried: set[str], bad_for: set[str]) -> _Relay | None | bool:
-        """A relay for ``shard``; None when all candidates are busy; False when none is left untried."""
+    def _choose(self, version: int, job: _Job, tried: set[str], bad_for: set[str]) -> _Relay | None | bool:
+        """A relay for ``job``; None when all candidates are busy; False when none is left untried."""
         candidates = [
-            r for r in self.relays if r.has(version) and r.url not in tried and r.url not in bad_for
+            r for r in self.relays if r.serves(job, version) and r.url not in tried and r.url not in bad_for
         ]
         if not candidates:
             return False
@@ -634,6 +743,74 @@ class _Fetch:
             raise_if_disk_full(exc, self.staging / shard.file)
             raise
 
+    async def _download_piece(self, relay: _Relay, manifest: Manifest, piece: DeltaPiece) -> bool:
+        """Get delta piece ``piece`` intact, keep it (``keep_delta``) and rebuild its shard if planned.
+
+        Returns True when the shard was rebuilt. A relay that sends other bytes is a _Failure (bad); a
+        piece that arrives intact but does not rebuild its shard is a DeltaError (not the relay's fault).
+        """
+        url = f"{relay.url}/versions/{manifest.version}/delta"
+        headers = {"Range": f"bytes={piece.offset}-{piece.end - 1}", "Accept-Encoding": "identity"}
+        try:
+            async with self.session.get(url, headers=headers, timeout=self.timeout) as resp:
+                if resp.status == 404:
+                    relay.no_delta.add(manifest.version)
+                    raise _Failure("no-delta", f"no delta of version {manifest.version} there (404)")
+                if resp.status in BUSY_STATUSES:
+                    raise _Failure("busy", f"answered {resp.status} for the delta",
+                                   retry_after=retry_after_s(resp.headers.get("Retry-After")))
+                if resp.status != 206:
+                    raise _Failure(f"http-{resp.status}", f"answered {resp.status} for a range of the delta")
+                m = _CONTENT_RANGE.fullmatch(resp.headers.get("Content-Range", ""))
+                if not m or (int(m.group(1)), int(m.group(2))) != (piece.offset, piece.end - 1):
+                    raise _Failure("wrong-length", f"asked delta bytes {piece.offset}-{piece.end - 1}, got "
+                                   f"Content-Range {resp.headers.get('Content-Range')!r}", bad=True)
+                t0 = time.monotonic()
+                parts, size = [], 0
+                while chunk := await resp.content.read(CHUNK):
+                    size += len(chunk)
+                    if size > piece.size:
+                        raise _Failure("wrong-length", f"sent more than the piece's {piece.size} bytes", bad=True)
+                    parts.append(chunk)
+                if size < piece.size:
+                    raise _Failure("truncated", f"delta piece ended after {size} of {piece.size} bytes")
+        except TimeoutError as exc:
+            raise _Failure("timeout", f"{_describe(exc)} (read timeout {self.timeout.sock_read} s)") from exc
+        except aiohttp.ClientPayloadError as exc:
+            raise _Failure("truncated", _describe(exc)) from exc
+        except aiohttp.ClientError as exc:
+            raise _Failure(_kind_of(exc), _describe(exc), connection=_is_connection(exc)) from exc
+        data = b"".join(parts)
+        digest = hashlib.sha256(data).hexdigest()
+        if digest != piece.sha256:
+            raise _Failure(
+                "hash-mismatch", f"delta piece sha256 {digest[:16]}… instead of {piece.sha256[:16]}…", bad=True
+            )
+        relay.record_success(piece.size, time.monotonic() - t0)
+        self.delta_bytes += piece.size
+        loop = asyncio.get_running_loop()
+        try:
+            if self.keep_delta:
+                await loop.run_in_executor(None, _write_at, self.delta_fd, [data], piece.offset)
+                self.pieces_kept.add(piece.shard)
+                if self.on_verified is not None:
+                    self.on_verified(DELTA_NAME, piece.offset, piece.size)
+            if piece.shard not in self.rebuild or piece.shard in self.done:
+                return False
+            shard = manifest.shards[piece.shard]
+            digest = await loop.run_in_executor(
+                None, rebuild_shard, data, self.rebuild[piece.shard], self.fds[shard.file], shard.offset, shard.size
+            )
+        except OSError as exc:
+            raise_if_disk_full(exc, self.staging)
+            raise
+        if digest != shard.sha256:
+            raise DeltaError(
+                f"the rebuilt bytes hash {digest[:16]}…, the manifest says {shard.sha256[:16]}…: the base on disk "
+                "is not the base the delta was made against"
+            )
+        return True
+
     def _advance(self, n: int) -> None:
         self.done_bytes += n
         if self._bar is not None:
@@ -643,96 +820,142 @@ class _Fetch:
 
     # ---- the whole download
 
-    async def _download_all(self, manifest: Manifest, fds: dict[str, int], todo: list[int]) -> int:
-        """Download the shards in ``todo``; returns how many bytes were accepted."""
+    async def _download_all(self, manifest: Manifest, fds: dict[str, int], todo: list[_Job]) -> int:
+        """Run the jobs in ``todo`` (and the whole-shard jobs that failed pieces turn into); returns how
+        many bytes of whole shards were accepted."""
         version = manifest.version
-        pending = list(todo)
-        tried: dict[int, set[str]] = {i: set() for i in todo}
-        bad_for: dict[int, set[str]] = {i: set() for i in todo}
-        attempts: dict[int, int] = dict.fromkeys(todo, 0)
-        rounds: dict[int, int] = dict.fromkeys(todo, 0)
-        busy: dict[int, int] = dict.fromkeys(todo, 0)
-        retry_at: dict[int, float] = {}
-        active: dict[asyncio.Task, tuple[int, _Relay, list[int]]] = {}
+        pending: list[_Job] = []
+        tried: dict[_Job, set[str]] = {}
+        bad_for: dict[_Job, set[str]] = {}
+        attempts: dict[_Job, int] = {}
+        rounds: dict[_Job, int] = {}
+        busy: dict[_Job, int] = {}
+        retry_at: dict[_Job, float] = {}
+
+        def add(job: _Job) -> None:
+            pending.append(job)
+            tried[job], bad_for[job] = set(), set()
+            attempts[job] = rounds[job] = busy[job] = 0
+
+        def give_up_piece(job: _Job, why: str) -> None:
+            pending.remove(job)
+            self._delta_problem(f"delta piece for shard {job.shard}: {why}")
+            if job.shard in self.rebuild and job.shard not in self.done:
+                add(_Job(SHARD, job.shard))
+
+        for job in todo:
+            add(job)
+        active: dict[asyncio.Task, tuple[_Job, _Relay, list[int]]] = {}
         accepted = 0
+        probing: asyncio.Future | None = None
+        last_probe = time.monotonic()
         try:
             while pending or active:
                 now = time.monotonic()
+                latecomers = [r for r in self.relays if r.reachable and version not in r.holds]
+                if latecomers and (probing is None or probing.done()) and now - last_probe >= REPROBE_S:
+                    probing = asyncio.gather(*(self._probe(r) for r in latecomers))
+                    last_probe = now
                 launched = True
                 while launched and len(active) < self.concurrency:
                     launched = False
-                    for idx in pending:
-                        if retry_at.get(idx, 0.0) > now:
+                    for job in pending:
+                        if retry_at.get(job, 0.0) > now:
                             continue
-                        choice = self._choose(version, idx, tried[idx], bad_for[idx])
+                        choice = self._choose(version, job, tried[job], bad_for[job])
                         if choice is False:
                             if not any(r.has(version) for r in self.relays):
                                 self._raise_nothing_left(version)
-                            honest = [r for r in self.relays if r.has(version) and r.url not in bad_for[idx]]
-                            if not honest or attempts[idx] >= self.max_attempts:
-                                self._raise_unavailable(manifest, idx, attempts[idx])
-                            rounds[idx] += 1
-                            tried[idx] = set()
-                            retry_at[idx] = now + min(5.0, 0.25 * 2 ** (rounds[idx] - 1))
+                            honest = [r for r in self.relays if r.serves(job, version) and r.url not in bad_for[job]]
+                            if job.kind == PIECE and (not honest or attempts[job] >= self.max_attempts):
+                                give_up_piece(job, "no relay served it intact")
+                                launched = True
+                                break
+                            if not honest or attempts[job] >= self.max_attempts:
+                                self._raise_unavailable(manifest, job.shard, attempts[job])
+                            rounds[job] += 1
+                            tried[job] = set()
+                            retry_at[job] = now + min(5.0, 0.25 * 2 ** (rounds[job] - 1))
                             continue
                         if choice is None:
                             continue
-                        pending.remove(idx)
+                        pending.remove(job)
                         choice.inflight += 1
-                        attempts[idx] += 1
-                        shard = manifest.shards[idx]
-                        counted = [0]
-                        task = asyncio.create_task(
-                            self._download(choice, manifest, shard, fds[shard.file], counted)
-                        )
-                        active[task] = (idx, choice, counted)
+                        attempts[job] += 1
+                        shard = manifest.shards[job.shard]
+                        counted = [0]  # bytes counted in the progress so far (pieces count once rebuilt)
+                        if job.kind == PIECE:
+                            work = self._download_piece(choice, manifest, self.pieces[job.shard])
+                        else:
+                            work = self._download(choice, manifest, shard, fds[shard.file], counted)
+                        active[asyncio.create_task(work)] = (job, choice, counted)
                         launched = True
                         break
                 if not active:
                     if not pending:
                         break
-                    wait = max(0.0, min(retry_at.get(i, now) for i in pending) - time.monotonic())
+                    wait = max(0.0, min(retry_at.get(j, now) for j in pending) - time.monotonic())
                     await asyncio.sleep(min(wait, 5.0) if wait > 0 else 0.05)
                     continue
-                future_retries = [t for i in pending if (t := retry_at.get(i, 0.0)) > now]
+                future_retries = [t for j in pending if (t := retry_at.get(j, 0.0)) > now]
+                if latecomers:
+                    future_retries.append(last_probe + REPROBE_S)
                 timeout = max(0.0, min(future_retries) - now) if future_retries else None
                 done, _ = await asyncio.wait(active, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
                 for task in done:
-                    idx, relay, counted = active.pop(task)
+                    job, relay, counted = active.pop(task)
                     relay.inflight -= 1
-                    shard = manifest.shards[idx]
+                    shard = manifest.shards[job.shard]
                     exc = task.exception()
                     if exc is None:
-                        accepted += shard.size
-                        self._mark_done(idx)
+                        if job.kind == SHARD:
+                            accepted += shard.size
+                            self.shards_fetched += 1
+                            self._mark_done(job.shard)
+                        elif task.result():  # the piece rebuilt its shard
+                            self.shards_rebuilt += 1
+                            self._advance(shard.size)
+                            self._mark_done(job.shard)
+                        continue
+                    if isinstance(exc, DeltaError):
+                        # The piece arrived intact (its hash is the manifest's), so the relay is not at fault:
+                        # the delta or our base is. The shard comes whole instead.
+                        self._delta_problem(f"shard {job.shard}: {exc}")
+                        if job.shard not in self.done:
+                            add(_Job(SHARD, job.shard))
                         continue
                     if not isinstance(exc, _Failure):
                         raise exc
                     self._advance(-counted[0])  # the progress counted bytes that were thrown away
-                    self._report(relay, exc.kind, idx, exc.detail, bad=exc.bad)
-                    if exc.retry_after is not None and busy[idx] < MAX_BUSY_WAITS:
+                    self._report(relay, exc.kind, job.shard, exc.detail, bad=exc.bad)
+                    if exc.retry_after is not None and busy[job] < MAX_BUSY_WAITS:
                         # Busy (its slots, or this address's share of them, are taken): not a failure of the
                         # relay or the shard. Come back when it says, with jitter so a crowd spreads out.
-                        busy[idx] += 1
-                        attempts[idx] -= 1
-                        retry_at[idx] = time.monotonic() + exc.retry_after * random.uniform(1.0, 1.5)
-                        pending.insert(0, idx)
+                        busy[job] += 1
+                        attempts[job] -= 1
+                        retry_at[job] = time.monotonic() + exc.retry_after * random.uniform(1.0, 1.5)
+                        pending.insert(0, job)
                         continue
                     if exc.connection:
                         relay.consecutive_conn_failures += 1
                         if relay.consecutive_conn_failures >= 3:
                             relay.stats.reachable = False
                             log.warning("relay %s stopped answering; no longer used", relay.url)
-                    tried[idx].add(relay.url)
+                    tried[job].add(relay.url)
                     if exc.bad:
-                        bad_for[idx].add(relay.url)
-                    pending.insert(0, idx)
+                        bad_for[job].add(relay.url)
+                    pending.insert(0, job)
         finally:
             for task in active:
                 task.cancel()
-            if active:
-                await asyncio.gather(*active, return_exceptions=True)
+            if probing is not None:
+                probing.cancel()
+            await asyncio.gather(*active, *([probing] if probing is not None else []), return_exceptions=True)
         return accepted
+
+    def _delta_problem(self, why: str) -> None:
+        self.delta_problems.append(why)
+        log.warning("delta not used: %s; fetching whole instead", why)
 
     def _raise_nothing_left(self, version: int) -> None:
         if any(version in r.gone for r in self.relays):
@@ -755,14 +978,17 @@ class _Fetch:
 
     def _mark_done(self, idx: int) -> None:
         self.done.add(idx)
+        shard = self.manifest.shards[idx]
         if self.fsync:
-            self._sync_in_background(self.manifest.shards[idx])
+            self._sync_in_background(shard)
         try:
             os.write(self.journal_fd, f"{idx}\n".encode())
         except OSError as exc:
             raise_if_disk_full(exc, self.staging / JOURNAL_NAME)
             raise
         self.file_event.set()
+        if self.on_verified is not None:
+            self.on_verified(shard.file, shard.offset, shard.size)
 
     def _sync_in_background(self, shard: ShardEntry) -> None:
         # Flushing as we go keeps the final fsync (before the ready marker) short: the disk writes
@@ -851,6 +1077,10 @@ class _Fetch:
             reused -= set(await self._find_bad_shards(manifest, fds, names, only=reused))
         self.done: set[int] = set(reused)
         self.manifest, self.fds = manifest, fds
+        self.delta_fd = fds.get(DELTA_NAME)
+        self.pieces = {p.shard: p for p in manifest.delta.pieces} if manifest.delta is not None else {}
+        self.base_fds: dict[str, int] = {}
+        self.shards_fetched = 0
         self._unsynced: dict[str, int] = {}
         self._syncing: set[str] = set()
         self._sync_futures: set[asyncio.Future] = set()
@@ -882,20 +1112,29 @@ class _Fetch:
             self._bar = (bar, bar.add_task("fetch", total=manifest.total_size, completed=reused_bytes))
             progress_ctx = bar
         downloaded = 0
-        fetched_shards = 0
         try:
+            self.rebuild = await loop.run_in_executor(None, self._open_base, manifest)
+            if self.on_staged is not None:
+                self.on_staged(manifest, manifest_bytes, self.staging)
+            if self.on_verified is not None:
+                for shard in (manifest.shards[i] for i in self.done):
+                    self.on_verified(shard.file, shard.offset, shard.size)
             self.journal_fd = os.open(
                 self.staging / JOURNAL_NAME, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644
             )
             with progress_ctx:
-                todo = [s.index for s in manifest.shards if s.index not in self.done]
+                todo = [_Job(PIECE if s.index in self.rebuild else SHARD, s.index)
+                        for s in manifest.shards if s.index not in self.done]  # fmt: skip
+                if self.delta_fd is not None:
+                    # A mirror keeps every piece, to serve them in turn; first, since they are small and the
+                    # nodes downstream that hold the base ask for them before anything else.
+                    todo = [_Job(PIECE, i) for i in self.pieces if i not in self.rebuild] + todo
                 for _repair in range(2):
                     hashing = (
                         asyncio.create_task(self._hash_files(manifest, fds)) if self.verify_files else None
                     )
                     try:
                         downloaded += await self._download_all(manifest, fds, todo)
-                        fetched_shards += len(todo)
                         digests = await hashing if hashing is not None else None
                     finally:
                         if hashing is not None and not hashing.done():
@@ -910,10 +1149,11 @@ class _Fetch:
                     # Only possible when the bytes read back differ from the bytes hashed on arrival (the
                     # disk, or memory, changed them): find those shards and fetch them again.
                     log.warning("files %s hash wrong on disk; rechecking their shards", wrong)
-                    todo = await self._find_bad_shards(manifest, fds, wrong)
-                    self.done -= set(todo)
-                    reused_bytes -= sum(manifest.shards[i].size for i in todo if i in reused)
-                    reused -= set(todo)
+                    bad = await self._find_bad_shards(manifest, fds, wrong)
+                    self.done -= set(bad)
+                    reused_bytes -= sum(manifest.shards[i].size for i in bad if i in reused)
+                    reused -= set(bad)
+                    todo = [_Job(SHARD, i) for i in bad]
                 else:
                     raise ShardUnavailableError(
                         f"files {wrong} still hash wrong after refetching their shards: the disk under "
@@ -925,13 +1165,14 @@ class _Fetch:
                 os.close(self.journal_fd)
             if self._sync_futures:  # never close a file descriptor a worker thread still syncs
                 await asyncio.gather(*list(self._sync_futures), return_exceptions=True)
-            for fd in fds.values():
+            for fd in [*fds.values(), *self.base_fds.values()]:
                 os.close(fd)
         seconds = time.monotonic() - t0
         log.info(
-            "fetched version %d into %s: %d bytes downloaded, %d reused, %.2f s, bad relays: %s",
-            manifest.version, self.out_dir, downloaded, reused_bytes, seconds,
-            sorted({i.relay for i in self.bad}) or "none",
+            "fetched version %d into %s: %d bytes downloaded, %d of delta (%d shards rebuilt), %d reused, "
+            "%.2f s, bad relays: %s",
+            manifest.version, self.out_dir, downloaded, self.delta_bytes, self.shards_rebuilt, reused_bytes,
+            seconds, sorted({i.relay for i in self.bad}) or "none",
         )  # fmt: skip
         return FetchResult(
             version=manifest.version,
@@ -940,12 +1181,15 @@ class _Fetch:
             already_present=False,
             bytes_downloaded=downloaded,
             bytes_reused=reused_bytes,
-            shards_downloaded=fetched_shards,
+            shards_downloaded=self.shards_fetched,
             shards_reused=len(reused),
             seconds=seconds,
             bad_relays=list(self.bad),
             failures=list(self.failures),
             relays=stats,
+            delta_bytes=self.delta_bytes,
+            shards_rebuilt=self.shards_rebuilt,
+            delta_problems=list(self.delta_problems),
         )
 
 
@@ -1014,6 +1258,10 @@ async def fetch_version(
     progress: bool | None = None,
     on_progress: Callable[[int, int], None] | None = None,
     session: aiohttp.ClientSession | None = None,
+    bases: Sequence[str | os.PathLike] = (),
+    keep_delta: bool = False,
+    on_staged: Callable[[Manifest, bytes, Path], None] | None = None,
+    on_verified: Callable[[str, int, int], None] | None = None,
 ) -> FetchResult:
     """Fetch ``version`` (an integer, or ``"latest"``) from ``relays`` into ``out_dir``, verified.
 
@@ -1028,7 +1276,13 @@ async def fetch_version(
     called with byte counts as data arrives. ``fsync`` (default) flushes every file to disk before the
     ready marker is written, so a power loss cannot leave a ready checkpoint with lost bytes; turn it
     off only for throwaway copies. ``verify_files`` re-reads and hashes whole files too (see the
-    module docstring for why the shard hashes already prove them).
+    module docstring for why the shard hashes already prove them). ``bases``: checkpoint directories
+    the caller holds (earlier fetches); when the manifest has a delta against one of them, the shards it
+    covers are rebuilt from it (module docstring). ``keep_delta`` keeps the delta's pieces in the
+    checkpoint too, for a relay to serve. ``on_staged(manifest, manifest_bytes, staging_dir)`` is called
+    once the staging directory is set up, and ``on_verified(name, offset, size)`` each time bytes of a
+    file there (a shard, or a piece of the delta file) are written and verified: a relay serves them
+    from then on, before the version is whole.
 
     Returns a FetchResult; raises NoRelayReachableError, ManifestSignatureError, VersionGoneError,
     ShardUnavailableError, ManifestError, DiskFullError or OutputDirError. A failed fetch never leaves
@@ -1050,6 +1304,10 @@ async def fetch_version(
         progress=progress,
         on_progress=on_progress,
         session=session,
+        bases=bases,
+        keep_delta=keep_delta,
+        on_staged=on_staged,
+        on_verified=on_verified,
     )
     return await fetch.run()
 

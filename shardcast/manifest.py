@@ -21,10 +21,20 @@ publisher could break it:
   first starts at 0, each starts where the previous ended, the last ends at the file's size;
 - every size is a non-negative integer (shards are 1..``shard_size`` bytes), every hash is 64 lowercase
   hex characters, and the version is an integer in [0, 2^53).
+
+A manifest may carry a ``delta`` section (``delta.py``): the same version again, as pieces that rebuild
+some of its shards from an older version the node may hold. It names the base version and the hash of
+the base's manifest (exactly which bytes the pieces were made against), and for each piece the shard it
+rebuilds, where it lies in the version's delta file, its compressed size and SHA-256. Its rules: the
+base is older than the version; pieces follow shard order, at most one per shard; they cover the delta
+file exactly, end to end; and no piece is larger than the shard it rebuilds (a delta that does not save
+bytes is not published, so none can make a node download more than the whole shard). A manifest without
+deltas has no ``delta`` key at all, so it signs exactly as before deltas existed.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 from collections.abc import Iterable, Sequence
@@ -80,14 +90,52 @@ class ShardEntry:
 
 
 @dataclass(frozen=True)
+class DeltaPiece:
+    """The compressed XOR that rebuilds shard ``shard`` from the base; bytes ``offset..offset+size`` of the
+    version's delta file."""
+
+    shard: int
+    offset: int
+    size: int
+    sha256: str
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.size
+
+
+@dataclass(frozen=True)
+class Delta:
+    """A version as pieces against ``base_version``, whose signed manifest hashes to ``base_manifest_sha256``."""
+
+    base_version: int
+    base_manifest_sha256: str
+    pieces: tuple[DeltaPiece, ...]
+
+    @property
+    def size(self) -> int:
+        """Bytes of the delta file: every piece, end to end."""
+        return sum(p.size for p in self.pieces)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "base_version": self.base_version,
+            "base_manifest_sha256": self.base_manifest_sha256,
+            "pieces": [{"shard": p.shard, "offset": p.offset, "size": p.size, "sha256": p.sha256}
+                       for p in self.pieces],
+        }  # fmt: skip
+
+
+@dataclass(frozen=True)
 class Manifest:
-    """A checkpoint version: its files and the shards that cover them."""
+    """A checkpoint version: its files, the shards that cover them, and optionally a delta against an older one."""
 
     version: int
     created: str
     shard_size: int
     files: tuple[FileEntry, ...]
     shards: tuple[ShardEntry, ...]
+    delta: Delta | None = None
     _by_name: dict[str, FileEntry] = field(default=None, init=False, repr=False, compare=False)  # type: ignore[assignment]
 
     def __post_init__(self) -> None:
@@ -105,7 +153,7 @@ class Manifest:
         return [s for s in self.shards if s.file == name]
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        body = {
             "format": FORMAT,
             "version": self.version,
             "created": self.created,
@@ -115,6 +163,9 @@ class Manifest:
                 {"file": s.file, "offset": s.offset, "size": s.size, "sha256": s.sha256} for s in self.shards
             ],
         }
+        if self.delta is not None:
+            body["delta"] = self.delta.to_dict()
+        return body
 
 
 @dataclass(frozen=True)
@@ -195,6 +246,11 @@ def build_manifest(
     )
     validate_manifest(manifest)
     return manifest
+
+
+def manifest_sha256(manifest: Manifest) -> str:
+    """The hash that names exactly one manifest (of its signed message): what a delta's base is named by."""
+    return hashlib.sha256(signing_message(manifest)).hexdigest()
 
 
 def sign_manifest(manifest: Manifest, key: PrivateKey) -> SignedManifest:
@@ -302,6 +358,37 @@ def validate_manifest(manifest: Manifest) -> None:
             raise ManifestError(
                 f"the shards of {name!r} cover {upto} of its {names[name].size} bytes: they must cover it exactly"
             )
+    if manifest.delta is not None:
+        validate_delta(manifest)
+
+
+def validate_delta(manifest: Manifest) -> None:
+    """Raise ManifestError unless ``manifest.delta`` keeps the delta rules in the module docstring."""
+    delta = manifest.delta
+    assert delta is not None
+    _check_int(delta.base_version, "delta base_version", 0, MAX_SIZE)
+    if delta.base_version >= manifest.version:
+        raise ManifestError(
+            f"a delta of version {manifest.version} must be against an older version, not {delta.base_version}"
+        )
+    _check_hash(delta.base_manifest_sha256, "delta base_manifest_sha256")
+    if not delta.pieces:
+        raise ManifestError("a delta must have at least one piece (publish none instead)")
+    last_shard, covered = -1, 0
+    for i, p in enumerate(delta.pieces):
+        where = f"delta piece {i}"
+        _check_int(p.shard, f"shard of {where}", 0, len(manifest.shards) - 1)
+        if p.shard <= last_shard:
+            raise ManifestError(f"{where} rebuilds shard {p.shard}: pieces must follow shard order, one per shard")
+        last_shard = p.shard
+        _check_int(p.size, f"size of {where}", 1, manifest.shards[p.shard].size)
+        _check_int(p.offset, f"offset of {where}", 0, MAX_SIZE)
+        _check_hash(p.sha256, f"sha256 of {where}")
+        if p.offset != covered:
+            raise ManifestError(
+                f"{where} starts at {p.offset} but the delta file is covered up to {covered}: pieces lie end to end"
+            )
+        covered += p.size
 
 
 # -- parsing -----------------------------------------------------------------------------------------
@@ -348,9 +435,23 @@ def _exact_keys(obj: Any, keys: set[str], what: str) -> dict[str, Any]:
     return obj
 
 
+def _delta_from_dict(body: Any) -> Delta:
+    body = _exact_keys(body, {"base_version", "base_manifest_sha256", "pieces"}, "delta")
+    if not isinstance(body["pieces"], list):
+        raise ManifestError("delta 'pieces' must be a list")
+    pieces = []
+    for i, p in enumerate(body["pieces"]):
+        p = _exact_keys(p, {"shard", "offset", "size", "sha256"}, f"delta piece {i}")
+        pieces.append(DeltaPiece(p["shard"], p["offset"], p["size"], p["sha256"]))
+    return Delta(body["base_version"], body["base_manifest_sha256"], tuple(pieces))
+
+
 def manifest_from_dict(body: Any) -> Manifest:
     """A validated Manifest from its JSON object; ManifestError on any deviation."""
-    body = _exact_keys(body, {"format", "version", "created", "shard_size", "files", "shards"}, "manifest")
+    keys = {"format", "version", "created", "shard_size", "files", "shards"}
+    if isinstance(body, dict) and "delta" in body:
+        keys.add("delta")
+    body = _exact_keys(body, keys, "manifest")
     if body["format"] != FORMAT:
         raise ManifestError(f"manifest format is {body['format']!r}; this shardcast reads {FORMAT!r}")
     if not isinstance(body["files"], list) or not isinstance(body["shards"], list):
@@ -363,7 +464,8 @@ def manifest_from_dict(body: Any) -> Manifest:
     for i, s in enumerate(body["shards"]):
         s = _exact_keys(s, {"file", "offset", "size", "sha256"}, f"shard {i}")
         shards.append(ShardEntry(i, s["file"], s["offset"], s["size"], s["sha256"]))
-    manifest = Manifest(body["version"], body["created"], body["shard_size"], tuple(files), tuple(shards))
+    delta = _delta_from_dict(body["delta"]) if "delta" in body else None
+    manifest = Manifest(body["version"], body["created"], body["shard_size"], tuple(files), tuple(shards), delta)
     validate_manifest(manifest)
     return manifest
 

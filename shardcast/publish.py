@@ -8,6 +8,10 @@ version or nothing of it. Then it removes all but the newest ``keep`` versions.
 Shards are byte ranges of the stored files, not copies of them: the store holds each byte once, and a
 relay serves a shard as a range request on its file.
 
+With ``delta_from``, the version also carries a delta against that older version of the store
+(``delta.py``): its pieces go into the version directory's delta file, the manifest lists them, and
+nodes that hold the base fetch those instead of the shards.
+
 Hidden entries of the checkpoint directory (names starting with ``.``, such as ``.cache/`` left by
 ``huggingface_hub``) are not published. Publishing is synchronous and CPU-bound (SHA-256 at roughly
 1 GB/s); call it from a worker thread in an event-loop process.
@@ -20,22 +24,27 @@ import logging
 import os
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from veriroll.protos.identity import KeyFileError, PrivateKey, load_private_key
 
-from .errors import ManifestError, PublishError
+from .delta import DEFAULT_LEVEL, build_delta
+from .errors import ManifestError, PublishError, ShardcastError
 from .manifest import (
     DEFAULT_SHARD_SIZE,
     MAX_SHARD_SIZE,
+    Delta,
     FileEntry,
     Manifest,
     build_manifest,
     sign_manifest,
     validate_file_name,
+    validate_manifest,
+    verify_manifest,
 )
 from .store import (
+    DELTA_NAME,
     MANIFEST_NAME,
     READY_NAME,
     fsync_dir,
@@ -65,6 +74,8 @@ class PublishResult:
     total_bytes: int
     seconds: float
     removed_versions: list[int]
+    delta_bytes: int = 0  # size of the delta file (0: no delta was published)
+    delta_seconds: float = 0.0  # time spent building it, included in ``seconds``
 
 
 def _write_chunk(fd: int, data: bytes | memoryview) -> None:
@@ -173,12 +184,16 @@ def publish_checkpoint(
     keep: int = DEFAULT_KEEP,
     link: bool = False,
     created: str | None = None,
+    delta_from: int | None = None,
+    delta_level: int = DEFAULT_LEVEL,
 ) -> PublishResult:
     """Publish ``checkpoint_dir`` as ``version`` into ``store``, signed with the coordinator's ``key``.
 
     ``key`` is a PrivateKey or the path of its PEM file. ``link=True`` hard-links the files into the
     store instead of copying them when both are on one filesystem (the checkpoint must then never be
-    modified in place). Keeps the newest ``keep`` versions. Raises PublishError (version already
+    modified in place). ``delta_from``: also publish a delta against that version (zstd level
+    ``delta_level``) when the store holds it; a missing or unreadable base only means no delta. Keeps
+    the newest ``keep`` versions. Raises PublishError (version already
     published, older than everything kept, unreadable checkpoint) or DiskFullError; on any failure
     nothing is listed and the temporary directory is removed.
     """
@@ -219,6 +234,13 @@ def publish_checkpoint(
             entries.append(entry)
             shards.extend(file_shards)
         manifest = build_manifest(version, entries, shards, shard_size=shard_size, created=created)
+        delta_t0 = time.monotonic()
+        if delta_from is not None:
+            delta = _build_delta(store, delta_from, tmp, manifest, key, delta_level)
+            if delta is not None:
+                manifest = replace(manifest, delta=delta)
+                validate_manifest(manifest)
+        delta_seconds = time.monotonic() - delta_t0
         signed = sign_manifest(manifest, key)
         manifest_bytes = signed.to_bytes()
         write_file_durably(tmp / MANIFEST_NAME, manifest_bytes)
@@ -237,13 +259,41 @@ def publish_checkpoint(
         raise
     removed = prune(store, keep)
     seconds = time.monotonic() - t0
+    delta_bytes = manifest.delta.size if manifest.delta is not None else 0
     log.info(
-        "published version %d: %d files, %d shards, %d bytes in %.2f s; removed %s",
+        "published version %d: %d files, %d shards, %d bytes in %.2f s (delta: %d bytes in %.2f s); removed %s",
         version,
         len(entries),
         len(manifest.shards),
         manifest.total_size,
         seconds,
+        delta_bytes,
+        delta_seconds,
         removed or "nothing",
     )
-    return PublishResult(version, final, manifest, manifest.total_size, seconds, removed)
+    return PublishResult(
+        version, final, manifest, manifest.total_size, seconds, removed, delta_bytes, delta_seconds
+    )
+
+
+def _build_delta(
+    store: Path, base_version: int, tmp: Path, manifest: Manifest, key: PrivateKey, level: int
+) -> Delta | None:
+    """The delta of ``manifest`` (files in ``tmp``) against ``base_version`` of ``store``, or None.
+
+    A base that is missing, older than allowed or unreadable means no delta, never a failed publish:
+    the version is complete without one. A full disk is still a DiskFullError.
+    """
+    base_dir = version_dir(store, base_version)
+    out = tmp / DELTA_NAME
+    try:
+        if base_version >= manifest.version:
+            raise PublishError(f"a delta must be against an older version than {manifest.version}")
+        base = verify_manifest((base_dir / MANIFEST_NAME).read_bytes(), key.public, expect_version=base_version)
+        return build_delta(base_dir, base, tmp, manifest, out, level=level)
+    except (OSError, ShardcastError) as exc:
+        out.unlink(missing_ok=True)
+        if isinstance(exc, OSError):
+            raise_if_disk_full(exc, out)
+        log.warning("version %d published without a delta from %d: %s", manifest.version, base_version, exc)
+        return None

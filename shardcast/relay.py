@@ -6,11 +6,19 @@ Two modes, one server:
   as they are renamed into place (publish may run in another process).
 - **mirror** (``upstreams`` given): every ``poll_interval`` seconds asks the upstream relays what they
   hold and fetches the newest ``keep`` versions with the same verified fetch a node uses (signature,
-  every shard, every file), into a hidden directory that becomes listed only once complete. Older
+  every shard, every file; from the delta against a version it holds where there is one, keeping the
+  delta to serve it in turn), into a hidden directory that is renamed into place once complete. Older
   versions are pruned. Mirrors can mirror mirrors: origin → relays → relays → nodes.
 
-Every version a relay lists has a manifest signed by the coordinator key it was started with, and files
-of the sizes the manifest says; a relay never lists a version it does not hold whole.
+**Streaming.** While a mirror fetches a version it already serves it, shard by shard: as soon as the
+verified manifest is in, the version is listed under ``streaming`` in ``/status`` (not under
+``versions``, which stays "held whole"), and each byte range is served once every shard (or delta
+piece) under it is verified. A request for a range not verified yet waits for it, up to
+``stream_wait`` seconds, then gets ``503`` with ``Retry-After`` (refusal ``not-yet``): it is coming, ask
+again. So a tree of relays pipelines a version instead of adding one whole download per level.
+
+Every version a relay lists has a manifest signed by the coordinator key it was started with; one under
+``versions`` has files of the sizes the manifest says, and a relay serves no byte it has not verified.
 
 URL scheme (all GET, HEAD too; JSON is UTF-8):
 
@@ -23,7 +31,8 @@ URL scheme (all GET, HEAD too; JSON is UTF-8):
                                      ``busy_rejections_total``, ``send_timeouts_total``,
                                      ``rejections`` (by reason),
                                      ``per_address_rejections_total``, ``uptime_s``;
-                                     ``limits`` has the limits below. Not cached.
+                                     ``limits`` has the limits below; ``streaming``: versions
+                                     being mirrored and served as they arrive. Not cached.
 ``/versions``                        ``{"versions": [N, ...], "latest": N | null}``, oldest first.
 ``/versions/latest/manifest``        the signed manifest of the newest version held (header
                                      ``X-Shardcast-Version: N``). Not cached.
@@ -31,6 +40,9 @@ URL scheme (all GET, HEAD too; JSON is UTF-8):
 ``/versions/{N}/files/{name}``       the bytes of file ``name`` (as listed in the manifest; ``/``
                                      allowed) of version N. ``Range: bytes=a-b`` answers 206 with
                                      just those bytes: a shard is the range (offset, offset+size-1).
+``/versions/{N}/delta``              the delta file of version N (its pieces end to end, as the
+                                     manifest's ``delta`` lists them), ranges as for files; 404 where
+                                     the version has no delta, or this relay does not hold it.
 ===================================  ==========================================================
 
 Versioned responses are immutable (``Cache-Control: public, max-age=31536000, immutable``), so a
@@ -63,6 +75,7 @@ clients resume elsewhere or later).
 from __future__ import annotations
 
 import asyncio
+import bisect
 import contextlib
 import errno
 import ipaddress
@@ -75,7 +88,7 @@ import socket
 import time
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
 from typing import Any
@@ -88,7 +101,7 @@ from veriroll.protos.identity import PublicKey, load_public_key
 from .errors import ShardcastError
 from .fetch import fetch_version, normalize_relay_url
 from .manifest import Manifest, verify_manifest
-from .store import MANIFEST_NAME, list_versions, prune, remove_tree, version_dir
+from .store import DELTA_NAME, MANIFEST_NAME, list_versions, prune, remove_tree, version_dir
 
 log = logging.getLogger("veriroll.shardcast.relay")
 
@@ -99,6 +112,10 @@ DEFAULT_POLL_INTERVAL = 5.0
 DEFAULT_IDLE_TIMEOUT = 10.0  # also the header timeout: a request head must be complete by then
 DEFAULT_MIN_SEND_RATE = 256 * 1024  # bytes/s a client must keep up, on average, to keep its download
 DEFAULT_SEND_GRACE = 30.0
+# How long a request for bytes a streaming mirror has not verified yet waits for them before a 503: under
+# a fetch's read timeout (20 s by default), so the client hears "not yet" rather than silence, and long
+# enough that a shard on its way is usually sent the moment it is verified.
+DEFAULT_STREAM_WAIT = 10.0
 DEFAULT_MAX_TRANSFERS = 512
 DEFAULT_MAX_CONNECTIONS = 2048
 # A node downloads at most 2 shards from one relay at once (fetch.DEFAULT_PER_RELAY) over a few pooled
@@ -125,6 +142,7 @@ class Refusal(StrEnum):
     TRANSFERS = "transfers"  # max_transfers in flight: 503
     ADDRESS_TRANSFERS = "address_transfers"  # max_transfers_per_address from there: 429
     BODY = "body"  # a request with a body: 400 and the connection closed
+    NOT_YET = "not-yet"  # bytes of a streaming version not verified within stream_wait: 503
 
 
 _PER_ADDRESS = (Refusal.ADDRESS_CONNECTIONS, Refusal.ADDRESS_TRANSFERS)
@@ -193,6 +211,61 @@ class HeldVersion:
     manifest: Manifest
     manifest_bytes: bytes
     path: Path
+    has_delta: bool = False  # the delta file the manifest lists is there, whole
+
+
+class _Coverage:
+    """The verified byte ranges of one file, kept merged: ``starts[i]..ends[i]`` are disjoint, in order."""
+
+    def __init__(self) -> None:
+        self.starts: list[int] = []
+        self.ends: list[int] = []
+
+    def add(self, start: int, end: int) -> None:
+        first = bisect.bisect_left(self.ends, start)  # the first range that touches or follows start
+        past = bisect.bisect_right(self.starts, end)  # ranges from here on start after end
+        if first < past:
+            start, end = min(start, self.starts[first]), max(end, self.ends[past - 1])
+        self.starts[first:past] = [start]
+        self.ends[first:past] = [end]
+
+    def covers(self, start: int, end: int) -> bool:
+        i = bisect.bisect_right(self.starts, start) - 1
+        return start >= end or (i >= 0 and self.ends[i] >= end)
+
+
+@dataclass
+class StreamingVersion:
+    """A version a mirror is fetching: served from its staging directory, range by verified range."""
+
+    version: int
+    manifest: Manifest
+    manifest_bytes: bytes
+    staging: Path
+    final: Path  # where it will be once whole: a request that races the rename finds it there
+    verified: dict[str, _Coverage] = field(default_factory=dict)
+    changed: asyncio.Event = field(default_factory=asyncio.Event)
+    ended: bool = False
+
+    def add(self, name: str, offset: int, size: int) -> None:
+        self.verified.setdefault(name, _Coverage()).add(offset, offset + size)
+        self._wake()
+
+    def covers(self, name: str, start: int, stop: int) -> bool:
+        return start >= stop or (name in self.verified and self.verified[name].covers(start, stop))
+
+    def end(self) -> None:
+        """The fetch is over (the version is now held whole, or the fetch failed)."""
+        self.ended = True
+        self._wake()
+
+    def _wake(self) -> None:
+        # Every waiter holds the event of its moment; setting it and starting a new one wakes them all.
+        self.changed.set()
+        self.changed = asyncio.Event()
+
+    def verified_bytes(self) -> int:
+        return sum(e - s for c in self.verified.values() for s, e in zip(c.starts, c.ends, strict=True))
 
 
 class RelayServer:
@@ -219,6 +292,7 @@ class RelayServer:
         max_transfers_per_address: int | None = DEFAULT_MAX_TRANSFERS_PER_ADDRESS,
         max_connections: int = DEFAULT_MAX_CONNECTIONS,
         max_connections_per_address: int | None = DEFAULT_MAX_CONNECTIONS_PER_ADDRESS,
+        stream_wait: float = DEFAULT_STREAM_WAIT,
         fetch_options: dict[str, Any] | None = None,
     ):
         self.store = Path(store)
@@ -236,8 +310,10 @@ class RelayServer:
         self.max_transfers_per_address = max_transfers_per_address
         self.max_connections = max_connections
         self.max_connections_per_address = max_connections_per_address
+        self.stream_wait = stream_wait
         self.fetch_options = {"progress": False, **(fetch_options or {})}
         self.held: dict[int, HeldVersion] = {}
+        self.streaming: dict[int, StreamingVersion] = {}
         self._refused: dict[str, tuple[int, str]] = {}  # dir name -> (mtime_ns, why), so each is logged once
         self._last_refresh = 0.0
         self._started = time.monotonic()
@@ -295,33 +371,45 @@ class RelayServer:
                 size = (vdir / f.name).stat().st_size
                 if size != f.size:
                     raise ShardcastError(f"{f.name} is {size} bytes on disk, the manifest says {f.size}")
+            has_delta = False
+            if manifest.delta is not None:
+                # A version without its delta is still whole; only the delta route answers 404 then.
+                with contextlib.suppress(FileNotFoundError):
+                    has_delta = (vdir / DELTA_NAME).stat().st_size == manifest.delta.size
         except (OSError, ShardcastError) as exc:
             why = str(exc)
             log.error("not serving version %d from %s: %s", version, vdir, why)
             with contextlib.suppress(OSError):
                 self._refused[vdir.name] = ((vdir / MANIFEST_NAME).stat().st_mtime_ns, why)
             return None
-        return HeldVersion(version, manifest, data, vdir)
+        return HeldVersion(version, manifest, data, vdir, has_delta)
 
     def versions(self) -> list[int]:
         return sorted(self.held)
 
-    def _lookup(self, which: str) -> HeldVersion:
+    def streaming_versions(self) -> list[int]:
+        """Versions being mirrored, served as they arrive (never one that is also held whole)."""
+        return sorted(v for v in self.streaming if v not in self.held)
+
+    def _lookup(self, which: str) -> HeldVersion | StreamingVersion:
         # Listings answer from the store as it is now (one listdir); file requests, the bulk of the
         # traffic, reuse a listing up to half a second old unless they ask for a version not yet seen.
         self.refresh(force=which == "latest")
         if which == "latest":
-            if not self.held:
+            if not self.held and not self.streaming:
                 raise web.HTTPNotFound(text="this relay holds no version yet\n")
-            return self.held[max(self.held)]
+            newest = max([*self.held, *self.streaming])
+            return self.held.get(newest) or self.streaming[newest]
         if not which.isdigit():
             raise web.HTTPNotFound(text="a version is an integer or 'latest'\n")
         version = int(which)
         if version not in self.held:
             self.refresh(force=True)
-        if version not in self.held:
-            raise web.HTTPNotFound(text=f"version {version} is not held here; see /status\n")
-        return self.held[version]
+        if version in self.held:
+            return self.held[version]
+        if version in self.streaming:
+            return self.streaming[version]
+        raise web.HTTPNotFound(text=f"version {version} is not held here; see /status\n")
 
     # ---- connections
 
@@ -410,12 +498,17 @@ class RelayServer:
             await self._send(request, response, len(body) if isinstance(body, bytes) else 0)
         return response
 
-    async def _send(self, request: web.Request, response: web.StreamResponse, nbytes: int) -> bool:
-        """Send ``response``; False when the client did not take ``nbytes`` in time and was dropped."""
+    async def _send(
+        self, request: web.Request, response: web.StreamResponse, nbytes: int, body=None
+    ) -> bool:
+        """Send ``response`` (and ``await body()`` between its head and its end, unless HEAD); False when
+        the client did not take ``nbytes`` in time and was dropped."""
         deadline = self.send_grace + nbytes / self.min_send_rate
         try:
             async with asyncio.timeout(deadline):
                 await response.prepare(request)
+                if body is not None and request.method != "HEAD":
+                    await body()
                 await response.write_eof()
         except TimeoutError:
             # The client reads too slowly (or not at all): drop it so its socket and slot are freed.
@@ -466,7 +559,12 @@ class RelayServer:
             "upstreams": self.upstreams,
             "load": self._load_counters(),
             "limits": self.limits(),
-            "mirror": {"fetching": self.mirror_fetching, "last_error": self.mirror_last_error},
+            "streaming": self.streaming_versions(),
+            "mirror": {
+                "fetching": self.mirror_fetching,
+                "last_error": self.mirror_last_error,
+                "verified_bytes": {str(v): sv.verified_bytes() for v, sv in self.streaming.items()},
+            },
         }
         return web.json_response(body, headers={"Cache-Control": "no-cache"})
 
@@ -490,6 +588,13 @@ class RelayServer:
         )
 
     async def _file(self, request: web.Request) -> web.StreamResponse:
+        return await self._transfer(request, request.match_info["name"])
+
+    async def _delta(self, request: web.Request) -> web.StreamResponse:
+        return await self._transfer(request, DELTA_NAME)
+
+    async def _transfer(self, request: web.Request, name: str) -> web.StreamResponse:
+        """Send bytes of file ``name`` of a version (or its delta file), holding a transfer slot meanwhile."""
         # The slot checks come first: a refused request costs no lookup and no open file.
         source = address_key(request.remote or "")
         limit = self.max_transfers_per_address
@@ -504,32 +609,15 @@ class RelayServer:
         which = request.match_info["version"]
         if which == "latest":
             raise web.HTTPNotFound(text="files are addressed by version number, not 'latest'\n")
-        held = self._lookup(which)
-        name = request.match_info["name"]
-        entry = held.manifest.file(name)  # only names the signed manifest lists: no way out of the directory
-        if entry is None:
-            raise web.HTTPNotFound(text=f"version {held.version} has no file {name!r}\n")
-        try:
-            rng = request.http_range
-            start = rng.start or 0
-            stop = entry.size if rng.stop is None else min(rng.stop, entry.size)
-            if start < 0:
-                start = max(0, entry.size + start)
-            nbytes = max(0, stop - start)
-        except ValueError:
-            nbytes = entry.size
-        # FileResponse would serve a sibling "name.gz" to a client that accepts gzip: never do that.
-        headers = {k: v for k, v in request.headers.items() if k.lower() != "accept-encoding"}
-        request = request.clone(headers=headers)
-        response = _FileResponseOnce(
-            held.path / name,
-            chunk_size=256 * 1024,
-            headers={"Cache-Control": IMMUTABLE, "X-Shardcast-Version": str(held.version)},
-        )
+        found = self._lookup(which)
+        size = _size_of(found, name)  # only names the signed manifest lists: no way out of the directory
         self.active_transfers += 1
         self._transfers_by_address[source] += 1
         try:
-            sent = await self._send(request, response, nbytes)
+            if isinstance(found, StreamingVersion):
+                response, sent = await self._send_streaming(request, found, name, size)
+            else:
+                response, sent = await self._send_held(request, found, name, size)
         finally:
             self.active_transfers -= 1
             self._transfers_by_address[source] -= 1
@@ -539,12 +627,81 @@ class RelayServer:
             self.bytes_served_total += response.content_length or 0
         return response
 
+    async def _send_held(
+        self, request: web.Request, held: HeldVersion, name: str, size: int
+    ) -> tuple[web.StreamResponse, bool]:
+        try:
+            start, stop, _ = _byte_range(request, size)
+            nbytes = stop - start
+        except ValueError:
+            nbytes = size  # FileResponse answers 416 itself
+        # FileResponse would serve a sibling "name.gz" to a client that accepts gzip: never do that.
+        headers = {k: v for k, v in request.headers.items() if k.lower() != "accept-encoding"}
+        request = request.clone(headers=headers)
+        response = _FileResponseOnce(
+            held.path / name,
+            chunk_size=256 * 1024,
+            headers={"Cache-Control": IMMUTABLE, "X-Shardcast-Version": str(held.version)},
+        )
+        return response, await self._send(request, response, nbytes)
+
+    async def _send_streaming(
+        self, request: web.Request, sv: StreamingVersion, name: str, size: int
+    ) -> tuple[web.StreamResponse, bool]:
+        """Send a range of a version still being mirrored, once every byte of it is verified."""
+        try:
+            start, stop, ranged = _byte_range(request, size)
+        except ValueError:
+            raise web.HTTPRequestRangeNotSatisfiable(headers={"Content-Range": f"bytes */{size}"}) from None
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.stream_wait
+        while not sv.covers(name, start, stop):
+            if sv.ended:
+                found = self._lookup(str(sv.version))  # 404 when the fetch failed and nothing is held
+                if isinstance(found, HeldVersion):
+                    if name == DELTA_NAME and not found.has_delta:
+                        raise web.HTTPNotFound(text=f"this relay does not hold the delta of version {sv.version}\n")
+                    return await self._send_held(request, found, name, size)
+                sv = found  # the mirror is fetching it again
+                continue
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                raise self._refusal(
+                    Refusal.NOT_YET,
+                    web.HTTPServiceUnavailable,
+                    f"version {sv.version} is still arriving here and these bytes are not verified yet; retry\n",
+                )
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(remaining):
+                    await sv.changed.wait()
+        headers = {"Cache-Control": IMMUTABLE, "X-Shardcast-Version": str(sv.version), "Accept-Ranges": "bytes"}
+        if ranged:
+            headers["Content-Range"] = f"bytes {start}-{stop - 1}/{size}"
+        response = web.StreamResponse(status=206 if ranged else 200, headers=headers)
+        response.content_length = stop - start
+        try:
+            # The staging directory is renamed into place when the version is whole: look there second.
+            fobj = await loop.run_in_executor(None, _open_first, [sv.staging / name, sv.final / name])
+        except FileNotFoundError:
+            raise web.HTTPNotFound(text=f"version {sv.version} is gone from this relay\n") from None
+        try:
+
+            async def body() -> None:
+                if request.transport is None:
+                    raise ConnectionResetError("connection lost")
+                await loop.sendfile(request.transport, fobj, start, stop - start)
+
+            return response, await self._send(request, response, stop - start, body)
+        finally:
+            fobj.close()
+
     def make_app(self) -> web.Application:
         app = web.Application(middlewares=[self._serve], client_max_size=4096)
         app.router.add_get("/status", self._status)
         app.router.add_get("/versions", self._versions)
         app.router.add_get("/versions/{version}/manifest", self._manifest)
         app.router.add_get("/versions/{version}/files/{name:.+}", self._file)
+        app.router.add_get("/versions/{version}/delta", self._delta)
         return app
 
     # ---- lifecycle
@@ -633,10 +790,12 @@ class RelayServer:
             except (TimeoutError, aiohttp.ClientError, ValueError, OSError) as exc:
                 log.info("upstream %s did not answer /status: %s", url, exc)
                 return []
-            versions = status.get("versions") if isinstance(status, dict) else None
-            if not isinstance(versions, list):
+            if not isinstance(status, dict):
                 return []
-            return [v for v in versions if isinstance(v, int) and not isinstance(v, bool) and v >= 0]
+            versions, streaming = status.get("versions"), status.get("streaming", [])
+            if not isinstance(versions, list) or not isinstance(streaming, list):
+                return []
+            return [v for v in versions + streaming if isinstance(v, int) and not isinstance(v, bool) and v >= 0]
 
         results = await asyncio.gather(*(one(u) for u in self.upstreams))
         return {v for vs in results for v in vs}
@@ -656,10 +815,20 @@ class RelayServer:
         fetched = []
         for v in wanted:
             self.mirror_fetching = v
+
+            def staged(manifest: Manifest, manifest_bytes: bytes, staging: Path, v: int = v) -> None:
+                self.streaming[v] = StreamingVersion(v, manifest, manifest_bytes, staging, version_dir(self.store, v))
+
+            def verified(name: str, offset: int, size: int, v: int = v) -> None:
+                if v in self.streaming:
+                    self.streaming[v].add(name, offset, size)
+
             try:
                 result = await fetch_version(
-                    self.upstreams, self.key, version_dir(self.store, v), v, **self.fetch_options
-                )
+                    self.upstreams, self.key, version_dir(self.store, v), v,
+                    bases=[version_dir(self.store, h) for h in reversed(self.versions())], keep_delta=True,
+                    on_staged=staged, on_verified=verified, **self.fetch_options,
+                )  # fmt: skip
             except ShardcastError as exc:
                 failures = self._mirror_backoff.get(v, (0, 0.0))[0] + 1
                 self._mirror_backoff[v] = (
@@ -671,6 +840,10 @@ class RelayServer:
                 continue
             finally:
                 self.mirror_fetching = None
+                self.refresh(force=True)  # a version just renamed into place is held before waiters wake
+                streaming = self.streaming.pop(v, None)
+                if streaming is not None:
+                    streaming.end()
             self._mirror_backoff.pop(v, None)
             self.mirror_last_error = None
             if result.bad_relays:
@@ -704,6 +877,44 @@ class RelayServer:
                 self.mirror_last_error = f"{type(exc).__name__}: {exc}"
                 log.exception("mirror round failed")
             await asyncio.sleep(self.poll_interval)
+
+
+def _size_of(found: HeldVersion | StreamingVersion, name: str) -> int:
+    """The size of file ``name`` (or of the delta file) of a version; 404 when it has none such."""
+    version = found.version
+    if name == DELTA_NAME:
+        delta = found.manifest.delta
+        if delta is None:
+            raise web.HTTPNotFound(text=f"version {version} has no delta\n")
+        if isinstance(found, HeldVersion) and not found.has_delta:
+            raise web.HTTPNotFound(text=f"this relay does not hold the delta of version {version}\n")
+        return delta.size
+    entry = found.manifest.file(name)
+    if entry is None:
+        raise web.HTTPNotFound(text=f"version {version} has no file {name!r}\n")
+    return entry.size
+
+
+def _byte_range(request: web.Request, size: int) -> tuple[int, int, bool]:
+    """``(start, stop, ranged)`` of the bytes a request asks for out of ``size``; ValueError when unsatisfiable."""
+    rng = request.http_range  # ValueError for a malformed header
+    if rng.start is None and rng.stop is None:
+        return 0, size, False
+    start = rng.start or 0
+    stop = size if rng.stop is None else min(rng.stop, size)
+    if start < 0:
+        start = max(0, size + start)
+    if start >= size or stop <= start:
+        raise ValueError(f"range {start}-{stop} outside a file of {size} bytes")
+    return start, stop, True
+
+
+def _open_first(paths: Sequence[Path]):
+    """The first of ``paths`` that exists, open for reading; FileNotFoundError when none does."""
+    for path in paths:
+        with contextlib.suppress(FileNotFoundError):
+            return open(path, "rb")  # the caller closes it once sent
+    raise FileNotFoundError(paths[-1])
 
 
 async def serve_relay(store: str | os.PathLike, coordinator_key, **options) -> None:

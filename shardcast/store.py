@@ -6,6 +6,7 @@ shardcast's own::
     DIR/config.json, DIR/model.safetensors, ...   the checkpoint files, named as in the manifest
     DIR/.shardcast-manifest.json                   the signed manifest, byte for byte as served
     DIR/.shardcast-ready                           written last: every file hashed right
+    DIR/.shardcast-delta                           the delta pieces the manifest lists, if any (delta.py)
 
 A *store* (what publish writes and a relay serves) is a directory of version directories named
 ``v<N>`` (``v0``, ``v12``). Anything else in it, in particular the dot-prefixed temporary directories
@@ -28,6 +29,7 @@ from .errors import DiskFullError
 
 MANIFEST_NAME = ".shardcast-manifest.json"
 READY_NAME = ".shardcast-ready"
+DELTA_NAME = ".shardcast-delta"
 _VERSION_DIR = re.compile(r"v(0|[1-9][0-9]{0,15})")
 _FULL_ERRNOS = {errno.ENOSPC, errno.EDQUOT}
 

@@ -22,7 +22,7 @@ from aiohttp import web
 
 from veriroll.protos.identity import PrivateKey
 from veriroll.shardcast.manifest import signing_message
-from veriroll.shardcast.store import MANIFEST_NAME, list_versions, version_dir
+from veriroll.shardcast.store import DELTA_NAME, MANIFEST_NAME, list_versions, version_dir
 
 SHARD = 256 * 1024
 REPO = Path(__file__).resolve().parents[2]
@@ -91,7 +91,7 @@ class FakeRelay:
 
     ``versions``: what /status claims (default: what the store holds). ``manifests``: version ->
     manifest bytes to serve instead of the stored one. ``on_file(version, name, start, data)``: may
-    return altered bytes. ``mode``: ``"silent-files"`` never answers file requests; ``"truncate"``
+    return altered bytes (``name`` is DELTA_NAME for ranges of the delta file). ``mode``: ``"silent-files"`` never answers file requests; ``"truncate"``
     announces the full length, sends half, and closes; ``"short"`` answers with a correct-looking but
     shorter 206. ``delay``: seconds to wait before answering each file request.
     """
@@ -123,7 +123,7 @@ class FakeRelay:
 
     async def _file(self, request):
         self.file_requests += 1
-        v, name = int(request.match_info["version"]), request.match_info["name"]
+        v, name = int(request.match_info["version"]), request.match_info.get("name", DELTA_NAME)
         if self.mode == "silent-files":
             await asyncio.sleep(3600)
         if self.delay:
@@ -155,6 +155,7 @@ class FakeRelay:
         app.router.add_get("/status", self._status)
         app.router.add_get("/versions/{version}/manifest", self._manifest)
         app.router.add_get("/versions/{version}/files/{name:.+}", self._file)
+        app.router.add_get("/versions/{version}/delta", self._file)
         self.runner = web.AppRunner(app, handle_signals=False, access_log=None, shutdown_timeout=0.5)
         await self.runner.setup()
         site = web.TCPSite(self.runner, "127.0.0.1", 0)

@@ -386,3 +386,101 @@ def test_an_origin_does_not_serve_versions_it_cannot_vouch_for(
             return await get_json(f"{relay.url}/status")
 
     assert run(go())["versions"] == [1]
+
+
+class GatedRelay(FakeRelay):
+    """A relay that serves the start of each file at once and holds every other range until ``gate`` opens."""
+
+    def __init__(self, store, gate: asyncio.Event):
+        super().__init__(store)
+        self.gate = gate
+
+    async def _file(self, request):
+        if request.http_range.start:
+            await self.gate.wait()
+        return await super()._file(request)
+
+
+def test_a_streaming_mirror_serves_each_shard_once_verified_before_it_holds_the_version(
+    store, checkpoint, coord_key, tmp_path
+):
+    model = "model.safetensors"
+
+    async def go():
+        gate = asyncio.Event()
+        upstream = GatedRelay(store, gate)
+        await upstream.start()
+        try:
+            m = RelayServer(tmp_path / "m", coord_key.public, port=0, upstreams=[upstream.url], stream_wait=0.3,
+                            **MIRROR)  # fmt: skip
+            async with m, aiohttp.ClientSession() as s:
+
+                async def shard0_verified():
+                    return 1 in m.streaming and m.streaming[1].covers(model, 0, SHARD)
+
+                await until(shard0_verified, "the mirror verifies the first shard")
+                status = await get_json(f"{m.url}/status")
+                url = f"{m.url}/versions/1/files/{model}"
+                async with s.get(url, headers={"Range": f"bytes=0-{SHARD - 1}"}) as r:
+                    first = (r.status, await r.read())
+                async with s.get(url, headers={"Range": f"bytes={SHARD}-{2 * SHARD - 1}"}) as r:
+                    second = (r.status, r.headers.get("X-Shardcast-Refusal"), r.headers.get("Retry-After"))
+                # A node that asks now gets the rest as it arrives, from the mirror alone.
+                node = asyncio.create_task(fetch_version([m.url], coord_key.public, tmp_path / "out", 1, **FAST))
+                await asyncio.sleep(0.5)
+                gate.set()
+                result = await node
+                after = await get_json(f"{m.url}/status")
+                return status, first, second, result, after
+        finally:
+            await upstream.stop()
+
+    status, first, second, result, after = run(go())
+    assert status["versions"] == [] and status["streaming"] == [1]
+    data = (checkpoint / model).read_bytes()
+    assert first == (206, data[:SHARD])
+    assert second == (503, "not-yet", "1")
+    assert result.version == 1 and same_tree(checkpoint, tmp_path / "out")
+    assert after["load"]["rejections"]["not-yet"] >= 1
+    assert after["versions"] == [1] and after["streaming"] == []
+
+
+def test_a_streaming_version_whose_fetch_fails_is_no_longer_served(store, coord_key, tmp_path):
+    async def go():
+        gate = asyncio.Event()
+        upstream = GatedRelay(store, gate)
+        await upstream.start()
+        m = RelayServer(tmp_path / "m", coord_key.public, port=0, upstreams=[upstream.url], stream_wait=0.3,
+                        poll_interval=30.0, fetch_options={"connect_timeout": 0.5, "read_timeout": 0.3,
+                                                           "max_attempts": 2})  # fmt: skip
+        async with m:
+
+            async def streaming():
+                return (await get_json(f"{m.url}/status"))["streaming"] == [1]
+
+            async def gave_up():
+                return m.mirror_fetching is None
+
+            await until(streaming, "the mirror streams version 1")
+            await until(gave_up, "the mirror gives up on the silent upstream")
+            await upstream.stop()
+            async with aiohttp.ClientSession() as s, s.get(f"{m.url}/versions/1/manifest") as r:
+                return r.status, await get_json(f"{m.url}/status")
+
+    status, after = run(go())
+    assert status == 404
+    assert after["streaming"] == [] and after["versions"] == [] and "version 1" in after["mirror"]["last_error"]
+
+
+def test_coverage_merges_ranges_and_covers_only_what_was_added():
+    from veriroll.shardcast.relay import _Coverage
+
+    c = _Coverage()
+    c.add(10, 20)
+    c.add(30, 40)
+    assert c.covers(10, 20) and c.covers(12, 18) and not c.covers(10, 21) and not c.covers(0, 5)
+    c.add(20, 30)  # touching both: one range
+    assert (c.starts, c.ends) == ([10], [40]) and c.covers(10, 40)
+    c.add(0, 5)
+    c.add(50, 60)
+    assert (c.starts, c.ends) == ([0, 10, 50], [5, 40, 60]) and not c.covers(4, 11)

@@ -1,0 +1,201 @@
+"""Weight broadcast: what lossless deltas save on a real model, and the relay tree against direct fetches.
+
+1. **Deltas.** SmolLM2-135M (the cached built-in, float32) takes one optimizer step: the trainer's own
+   AdamW (``build_optimizer``: betas (0.9, 0.99), no weight decay) on the language-model loss of a
+   small batch of text, at each learning rate. For a first AdamW step every weight moves by about the
+   learning rate, whatever the gradient: the case of an RL step where every parameter changes. The
+   weights before and after are written as HF checkpoints in float32 and in bfloat16 (float32 master
+   weights published in bf16, as the trainer does) and published as versions 1 and 2 of a store,
+   version 2 with a delta against version 1. For each (learning rate, dtype):
+
+   - ``delta_ratio``: bytes a node that holds version 1 downloads for version 2 (the delta's pieces,
+     plus the shards that have none) / bytes of version 2 whole;
+   - ``delta_build_s``: what building the delta added to publishing;
+   - ``whole_s`` / ``rebuild_s``: a node fetches version 1 whole, then version 2 with version 1 as its
+     base (rebuilt from the delta and checked shard by shard), from an origin relay process on
+     loopback (fsync off: the disk is not what is measured).
+
+2. **Tree against direct** (``benchmarks/shardcast.py --skip-single --no-address-limits``, run as a
+   child): clients through origin → 2 streaming mirror relays (``tree_s``) and straight from the
+   origin (``direct_s``), each until the last client holds a verified checkpoint; with the library's
+   default of 8 shards at once per client, and again with 2 (``*_2_streams``: see that benchmark's
+   docstring for why).
+
+    .venv/bin/python benchmarks/broadcast.py [--quick]
+
+``--quick``: the tree at 64 MiB and 4 clients instead of 256 MiB and 16 (the delta part is the same).
+Prints a line per measurement, then one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+TEXTS = [
+    "Reinforcement learning from verifiable rewards trains a policy on problems whose answers can be checked.",
+    "The quick brown fox jumps over the lazy dog, and then it runs back into the forest to find its friends.",
+    "Weights are broadcast to volunteer nodes through relays; every byte is checked against a signed manifest.",
+    "def add(a, b):\n    return a + b\n\nprint(add(2, 3))  # prints 5, as any careful reader would expect",
+]
+
+
+def step_checkpoints(work: Path, lrs: list[float], dtypes: list[str]) -> dict[tuple[float, str], Path]:
+    """Version 1 (``base-<dtype>``) and, per learning rate, version 2 (``step-<lr>-<dtype>``) as HF directories."""
+    import torch
+
+    torch.set_num_threads(1)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from veriroll.coordinator.config import TrainerConfig
+    from veriroll.coordinator.models import cached_builtin_model, save_pretrained_checkpoint
+    from veriroll.coordinator.trainer import build_optimizer
+
+    source = cached_builtin_model()
+    tokenizer = AutoTokenizer.from_pretrained(source)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    model = AutoModelForCausalLM.from_pretrained(source, torch_dtype=torch.float32)
+    batch = tokenizer(TEXTS, return_tensors="pt", padding=True)
+    labels = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+    dirs = {}
+    for dtype in dtypes:
+        dirs[(0.0, dtype)] = save_pretrained_checkpoint(model, source, work / f"base-{dtype}", dtype=torch_dtype[dtype])
+    for lr in lrs:
+        model.load_state_dict(before)
+        optimizer = build_optimizer(model, TrainerConfig(lr=lr))
+        t0 = time.perf_counter()
+        loss = model(**batch, labels=labels).loss
+        loss.backward()
+        optimizer.step()
+        print(f"lr {lr:g}: one AdamW step, loss {loss.item():.3f}, {time.perf_counter() - t0:.1f} s")
+        del optimizer
+        for dtype in dtypes:
+            dirs[(lr, dtype)] = save_pretrained_checkpoint(
+                model, source, work / f"step-{lr:g}-{dtype}", dtype=torch_dtype[dtype]
+            )
+    return dirs
+
+
+def measure_delta(work: Path, key, key_pub: Path, base: Path, stepped: Path) -> dict:
+    from shardcast import start_relay, wait_up
+    from veriroll.shardcast.fetch import fetch_version
+    from veriroll.shardcast.publish import publish_checkpoint
+
+    store = work / "store"
+    publish_checkpoint(base, store, key, 1, link=True)
+    published = publish_checkpoint(stepped, store, key, 2, link=True, delta_from=1)
+    manifest = published.manifest
+    covered = {p.shard for p in manifest.delta.pieces} if manifest.delta else set()
+    shipped = published.delta_bytes + sum(s.size for s in manifest.shards if s.index not in covered)
+    relay, url = start_relay(store, key_pub)
+    try:
+        wait_up(url)
+        t0 = time.perf_counter()
+        asyncio.run(fetch_version([url], key_pub, work / "node-v1", 1, progress=False, fsync=False))
+        whole_s = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        result = asyncio.run(
+            fetch_version([url], key_pub, work / "node-v2", 2, progress=False, fsync=False, bases=[work / "node-v1"])
+        )
+        rebuild_s = time.perf_counter() - t0
+    finally:
+        relay.send_signal(signal.SIGTERM)
+        relay.wait(timeout=15)
+    if result.delta_problems or result.bytes_shipped != shipped:
+        raise RuntimeError(f"the rebuild did not go as published: {result.delta_problems}, {result.bytes_shipped}")
+    for path in (store, work / "node-v1", work / "node-v2"):
+        shutil.rmtree(path)
+    return {
+        "total_bytes": manifest.total_size,
+        "delta_bytes": published.delta_bytes,
+        "shipped_bytes": shipped,
+        "delta_ratio": round(shipped / manifest.total_size, 4),
+        "pieces": len(covered),
+        "shards": len(manifest.shards),
+        "delta_build_s": round(published.delta_seconds, 2),
+        "whole_s": round(whole_s, 2),
+        "rebuild_s": round(rebuild_s, 2),
+    }
+
+
+def tree_vs_direct(size_mib: int, clients: int, concurrency: int) -> dict:
+    out = subprocess.run(
+        [sys.executable, str(HERE / "shardcast.py"), "--skip-single", "--no-address-limits",
+         "--size-mib", str(size_mib), "--clients", str(clients), "--client-concurrency", str(concurrency)],
+        capture_output=True, text=True, timeout=1800, check=True,
+    )  # fmt: skip
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="the tree at 64 MiB and 4 clients")
+    ap.add_argument("--lr", type=float, action="append", help="learning rates (default 1e-6 and 1e-5)")
+    args = ap.parse_args()
+    lrs = args.lr or [1e-6, 1e-5]
+    dtypes = ["float32", "bfloat16"]
+    size_mib, clients = (64, 4) if args.quick else (256, 16)
+
+    from veriroll.protos.identity import write_keypair
+
+    work = Path(tempfile.mkdtemp(prefix="broadcast-bench-"))
+    try:
+        key = write_keypair(work / "coordinator.key", force=True)
+        key_pub = work / "coordinator.key.pub"
+        dirs = step_checkpoints(work, lrs, dtypes)
+        deltas = {}
+        for lr in lrs:
+            for dtype in dtypes:
+                row = measure_delta(work, key, key_pub, dirs[(0.0, dtype)], dirs[(lr, dtype)])
+                deltas[f"{dtype}_lr{lr:g}"] = row
+                print(f"{dtype} lr {lr:g}: ships {row['shipped_bytes'] / 2**20:.1f} of {row['total_bytes'] / 2**20:.1f} "
+                      f"MiB (ratio {row['delta_ratio']:.3f}, {row['pieces']}/{row['shards']} shards as pieces); "
+                      f"delta built in {row['delta_build_s']} s; fetch whole {row['whole_s']} s, rebuilt "
+                      f"{row['rebuild_s']} s")  # fmt: skip
+        shutil.rmtree(work)
+        trees = {}
+        for concurrency in (8, 2):
+            tree = trees[concurrency] = tree_vs_direct(size_mib, clients, concurrency)
+            print(f"tree (streaming mirrors) {tree['tree_s']} s vs direct {tree['direct_s']} s for {clients} clients, "
+                  f"{size_mib} MiB, {concurrency} shards at once per client; origin copies "
+                  f"{tree['origin_copies_tree']} vs {tree['origin_copies_direct']}")  # fmt: skip
+        tree = trees[8]
+        print(
+            json.dumps(
+                {
+                    "delta_ratio": {k: v["delta_ratio"] for k, v in deltas.items()},
+                    "rebuild_s": {k: v["rebuild_s"] for k, v in deltas.items()},
+                    "whole_s": {k: v["whole_s"] for k, v in deltas.items()},
+                    "tree_s": tree["tree_s"],
+                    "direct_s": tree["direct_s"],
+                    "origin_copies_tree": tree["origin_copies_tree"],
+                    "origin_copies_direct": tree["origin_copies_direct"],
+                    "tree_s_2_streams": trees[2]["tree_s"],
+                    "direct_s_2_streams": trees[2]["direct_s"],
+                    "tree_size_mib": size_mib,
+                    "tree_clients": clients,
+                    "deltas": deltas,
+                    "model": "smollm2-135m-instruct",
+                    "cpus": os.cpu_count(),
+                }
+            )
+        )
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
