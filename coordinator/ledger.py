@@ -100,7 +100,7 @@ class Ledger:
     async def touch(self, node: NodeInfo, loaded_version: int, session: st.Session, *,
                     stopping: bool = False) -> int | st.LiveSession:
         """A heartbeat from ``session``: the time it was recorded at, or, changing nothing, the other
-        session that holds the key. A ``stopping`` session gives the key up."""
+        session that holds the key. A ``stopping`` session gives the key and its open leases up."""
         now = self.clock()
 
         def op(conn):
@@ -110,6 +110,7 @@ class Ledger:
             st.touch_node(conn, node.node_id, now, loaded_version, session)
             if stopping:
                 st.end_session(conn, node.node_id, session.session_id)
+                st.release_open_leases(conn, node.node_id)
             return now
 
         return await self.db.run(op)

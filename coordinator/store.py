@@ -680,6 +680,16 @@ def expire_leases(conn: sqlite3.Connection, now_ms: int) -> int:
     return len(rows)
 
 
+def release_open_leases(conn: sqlite3.Connection, node_id: str) -> int:
+    """A node that stops gives its open leases back: they expire now and their prompts return to the pool,
+    instead of waiting out their deadlines (and holding the node's lease slots for its next start)."""
+    rows = conn.execute("UPDATE leases SET state = ? WHERE node_id = ? AND state = ? RETURNING prompt_id",
+                        (LeaseState.EXPIRED, node_id, LeaseState.OPEN)).fetchall()
+    for r in rows:
+        _return_prompt(conn, r["prompt_id"])
+    return len(rows)
+
+
 def _return_prompt(conn: sqlite3.Connection, prompt_id: int) -> None:
     conn.execute("UPDATE prompts SET state = ? WHERE prompt_id = ? AND state = ?",
                  (PromptState.PENDING, prompt_id, PromptState.LEASED))

@@ -42,6 +42,11 @@ def dtype_name(dtype) -> str:
 log = logging.getLogger("veriroll.node")
 
 VERSION = SOFTWARE_VERSION
+GOODBYE_S = 2.0  # the last heartbeat's deadline, when stopping
+
+# Refusals that end a running node: waiting does not change them, and working on would be wasted.
+FATAL_REFUSALS = {"banned": 3, "key_in_use": 2, "node_too_old": 2}
+
 RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED,
              grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN, grpc.StatusCode.CANCELLED}
 
@@ -179,6 +184,7 @@ class NodeAgent:
         # This process's claim on its key, in Register and Heartbeat: the coordinator refuses a second process
         # running the same key (key_in_use) while this one heartbeats.
         self.session_id = secrets.token_hex(16)
+        self.exit_code: int | None = None  # set by a refusal that ends the node
 
     # --- coordinator calls with retry -------------------------------------------------------------
 
@@ -354,6 +360,9 @@ class NodeAgent:
                 self.status.note_ok()
             except CallError as err:
                 self.status.last_error = f"heartbeat: {err.reason}"
+                if err.reason in FATAL_REFUSALS:
+                    self._fatal(err)
+                    break
                 failing.failed(err.reason, err.details)
             except Exception as exc:  # noqa: BLE001 - a bug here must not stop the heartbeat; logged with its traceback
                 if self.stopping.is_set():  # the channel closed under a call in flight: stopping, not a failure
@@ -411,9 +420,9 @@ class NodeAgent:
                 except CallError as err:
                     self.status.rejected[err.reason] += 1
                     self.status.last_error = str(err)
-                    if err.reason == "banned":
-                        log.error("this key is banned by the coordinator: %s", err.details)
-                        return 3
+                    if err.reason in FATAL_REFUSALS:
+                        self._fatal(err)
+                        break
                     log.warning("lease request refused: %s", err)
                     await self._sleep(self._backoff.next())
                     continue
@@ -432,10 +441,31 @@ class NodeAgent:
         finally:
             if heartbeat is not None:
                 heartbeat.cancel()
+            if self.status.connected and self.exit_code is None:
+                await self._say_goodbye()
             # An engine still working in an abandoned thread is left alone: the process exits around it.
             if self.engine is not None and not any(t.is_alive() for t in self.busy_threads):
                 self.engine.close()
-        return 0
+        return self.exit_code or 0
+
+    def _fatal(self, err: CallError) -> None:
+        """A refusal that ends this node (banned, its key in use elsewhere, too old): say why and stop."""
+        advice = {"banned": "`veriroll node credits` shows its ledger and why",
+                  "key_in_use": "stop the other process, or give this node its own key (veriroll keygen --out PATH)",
+                  "node_too_old": "pip install -U veriroll"}[err.reason]
+        log.error("the coordinator refused this node (%s): %s; %s", err.reason, err.details, advice)
+        self.exit_code = FATAL_REFUSALS[err.reason]
+        self.stopping.set()
+        self.abandon.set()
+
+    async def _say_goodbye(self) -> None:
+        """Tell the coordinator this session ends, so that the key is free for a restart at once (best effort:
+        a coordinator out of reach lets the session lapse after identity.session_ttl_s)."""
+        try:
+            await asyncio.wait_for(self.stub.heartbeat(pb.HeartbeatRequest(session_id=self.session_id, stopping=True)),
+                                   GOODBYE_S)
+        except Exception as exc:  # noqa: BLE001 - a goodbye that does not arrive costs a lapse, never the exit
+            log.debug("goodbye heartbeat not delivered: %s", exc)
 
     async def _serve(self, lease: pb.Lease) -> None:
         from veriroll.node.engines.base import GenerationRequest

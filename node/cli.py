@@ -222,7 +222,10 @@ REFUSAL_ADVICE = {
                         "`--set pow_max_bits=N`, or use a key this coordinator knows"),
     "pow_invalid": (2, "the coordinator refused this node's proof of work twice; check the system clock (NTP) and "
                        "`veriroll node doctor`"),
-    "banned": (3, "this key is banned on this coordinator; `veriroll node credits` shows its ledger"),
+    "banned": (3, "this key is banned on this coordinator; `veriroll node credits` shows its ledger and why"),
+    "key_in_use": (2, "another node process runs this key right now; stop that one, or give this node its own key "
+                      "(`veriroll keygen --out PATH`, then `--key PATH`)"),
+    "node_too_old": (2, "upgrade this node: pip install -U veriroll"),
 }
 
 
@@ -307,7 +310,8 @@ async def _credits(cfg: NodeConfig) -> dict:
         r = await stub.get_ledger()
         return {"node_id": r.node_id, "standing": r.standing, "accepted_groups": r.accepted_groups,
                 "accepted_tokens": r.accepted_tokens, "strikes": r.strikes, "credits": r.credits,
-                "rejections_by_reason": dict(r.rejections_by_reason)}
+                "rejections_by_reason": dict(r.rejections_by_reason),
+                **({"ban_reason": r.ban_reason} if r.ban_reason else {})}
     finally:
         await channel.close()
 
