@@ -101,7 +101,7 @@ def main() -> None:
     run = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="veriroll-learning-"))
     run.mkdir(parents=True, exist_ok=True)
     coord_dir = run / "coord"
-    settings = ["server.tls=false", "server.port=0", "shardcast.origin_port=-1", f"trainer.target_reward={args.target}",
+    settings = ["server.tls=false", "server.port=0", "server.http_port=0", "shardcast.origin_port=-1", f"trainer.target_reward={args.target}",
                 f"trainer.target_window={TARGET_WINDOW}", "trainer.checkpoint_every=25", "leases.queue_maxsize=32",
                 *args.set]
     sets = [x for s in settings for x in ("--set", s)]
