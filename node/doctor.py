@@ -582,7 +582,33 @@ async def run_doctor(cfg: NodeConfig, *, clock_offset_s: float = 0.0, timeout_s:
     # Room for the versions kept plus the one being fetched.
     need = max(min_free_bytes, (cfg.keep_versions + 1) * checkpoint_bytes)
     checks.append(check_disk(cfg.cache_dir, need))
+    checks.append(check_torch_build())
     return checks
+
+
+def check_torch_build() -> Check:
+    """Whether the installed torch fits this machine (a CUDA build without a driver costs gigabytes for
+    nothing; a CPU build leaves a GPU idle) and is the version veriroll is tested with; from package
+    metadata, without importing torch."""
+    from importlib import metadata
+
+    from veriroll.cli.install import (
+        installed_cuda_mb,
+        nvidia_driver_present,
+        tested_torch_version,
+        torch_advice,
+    )
+
+    try:
+        torch = metadata.version("torch")
+    except metadata.PackageNotFoundError:
+        torch = None
+    tested = tested_torch_version()
+    advice = tested and torch_advice(torch, tested, installed_cuda_mb(), nvidia_driver_present())
+    if advice:
+        what, _, fix = advice.partition("; ")
+        return Check("torch build", WARN, what, fix or advice)
+    return Check("torch build", OK, f"torch {torch}, the tested build for this machine")
 
 
 def report(checks: list[Check]) -> dict:

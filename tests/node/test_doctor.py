@@ -82,7 +82,7 @@ def test_everything_passes_against_a_healthy_coordinator_and_relay(tmp_path, nod
 
     url, checks, again, nodes = run(scenario())
     assert statuses(checks) == {"key": OK, "coordinator": OK, "tls": OK, "signed call": OK, "clock": OK,
-                                f"relay {url}": OK, "disk": OK}, format_report(checks)
+                                f"relay {url}": OK, "disk": OK, "torch build": OK}, format_report(checks)
     c = by_name(checks)
     node_id = load_private_key(node_key).node_id
     assert c["key"].data["node_id"] == node_id and nodes == [node_id]
@@ -294,3 +294,13 @@ def test_a_plaintext_coordinator_passes_with_a_warning_and_its_dashboard_port_is
     assert checks["signed call"].status == OK
     assert dashboard_tls.status == FAIL and "web server" in dashboard_tls.detail and not dashboard_tls.transient
     assert "gRPC port" in dashboard_tls.advice
+
+
+def test_a_torch_build_that_does_not_fit_the_machine_is_a_warning_with_the_install_line(monkeypatch):
+    import veriroll.cli.install as install
+
+    monkeypatch.setattr(install, "installed_cuda_mb", lambda: 2800.0)  # PyPI's CUDA build...
+    monkeypatch.setattr(install, "nvidia_driver_present", lambda: False)  # ...on a machine without a GPU
+    check = doctor.check_torch_build()
+    assert check.status == WARN and "CUDA build" in check.detail
+    assert "+cpu" in check.advice and "download.pytorch.org/whl/cpu" in check.advice
