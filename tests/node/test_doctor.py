@@ -301,6 +301,7 @@ def test_a_torch_build_that_does_not_fit_the_machine_is_a_warning_with_the_insta
 
     monkeypatch.setattr(install, "installed_cuda_mb", lambda: 2800.0)  # PyPI's CUDA build...
     monkeypatch.setattr(install, "nvidia_driver_present", lambda: False)  # ...on a machine without a GPU
+    monkeypatch.setattr(install, "tested_torch_version", lambda: "2.13.0")
     check = doctor.check_torch_build()
     assert check.status == WARN and "CUDA build" in check.detail
     assert "+cpu" in check.advice and "download.pytorch.org/whl/cpu" in check.advice
