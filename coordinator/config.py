@@ -12,7 +12,7 @@ from packaging.version import InvalidVersion, Version
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from veriroll.protos.pow import DEFAULT_BITS
-from veriroll.protos.service import SOFTWARE_VERSION
+from veriroll.protos.version import SOFTWARE_VERSION
 
 DEFAULT_GRPC_PORT, DEFAULT_ORIGIN_PORT, DEFAULT_HTTP_PORT = 50051, 8470, 8480
 

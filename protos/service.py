@@ -7,7 +7,6 @@ serializer, so what the server hashes is byte for byte what the client signed.
 from __future__ import annotations
 
 import asyncio
-import importlib.metadata
 import threading
 import time
 from dataclasses import dataclass
@@ -20,12 +19,11 @@ from veriroll.protos.pow import DEFAULT_MAX_BITS, Challenge, solve
 from veriroll.protos.reasons import Reason
 from veriroll.protos.v1 import coordinator_pb2 as pb
 
+# Re-exported: the node and the coordinator import them from here.
+from veriroll.protos.version import SOFTWARE_VERSION, UPGRADE_COMMAND  # noqa: F401
+
 SERVICE = "veriroll.v1.Coordinator"
 
-SOFTWARE_VERSION = importlib.metadata.version("veriroll")
-"""This release (pyproject's version, read from the installed package): what a node reports in Register,
-and the oldest node release a coordinator accepts unless its operator says otherwise."""
-UPGRADE_COMMAND = "pip install -U veriroll"
 
 METHODS: dict[str, tuple[type, type]] = {
     "Register": (pb.RegisterRequest, pb.RegisterResponse),
