@@ -84,13 +84,19 @@ def torch_advice(torch: str | None, tested: str, cuda_mb: float, driver: bool) -
     return None
 
 
-def version_text() -> str:
-    """``veriroll --version``: veriroll's and torch's versions, then the advice of :func:`torch_advice`, if any."""
+def installed_torch_fit() -> tuple[str | None, str | None]:
+    """(installed torch version or None, :func:`torch_advice` for this machine or None), from package metadata
+    alone: nothing imports torch."""
     try:
         torch = metadata.version("torch")
     except metadata.PackageNotFoundError:
         torch = None
     tested = tested_torch_version()
-    advice = tested and torch_advice(torch, tested, installed_cuda_mb(), nvidia_driver_present())
+    return torch, (torch_advice(torch, tested, installed_cuda_mb(), nvidia_driver_present()) if tested else None)
+
+
+def version_text() -> str:
+    """``veriroll --version``: veriroll's and torch's versions, then the advice of :func:`torch_advice`, if any."""
+    torch, advice = installed_torch_fit()
     text = f"veriroll {package_version()} (torch {torch or 'not installed'})"
     return f"{text}\n{advice}" if advice else text

@@ -30,6 +30,7 @@ from veriroll.coordinator.edge import Refusal
 from veriroll.coordinator.ledger import Ledger, NodeInfo
 from veriroll.coordinator.metrics import CoordinatorMetrics
 from veriroll.coordinator.policy import PolicyState
+from veriroll.coordinator.store import LeaseRecord
 from veriroll.protos.reasons import Reason
 from veriroll.protos.v1 import coordinator_pb2 as pb
 
@@ -47,32 +48,6 @@ class Rejection:
 
     def __str__(self) -> str:
         return f"{self.reason.value}: {self.detail or self.reason.message}"
-
-
-@dataclass(frozen=True)
-class LeaseRecord:
-    lease_id: str
-    node_id: str
-    prompt_id: int
-    group_size: int
-    temperature: float
-    max_new_tokens: int
-    seeds: tuple[int, ...]
-    stop_token_ids: tuple[int, ...]
-    policy_version: int
-    issued_ms: int
-    deadline_ms: int
-    state: st.LeaseState
-
-    @classmethod
-    def from_row(cls, row) -> LeaseRecord:
-        return cls(
-            lease_id=row["lease_id"], node_id=row["node_id"], prompt_id=int(row["prompt_id"]),
-            group_size=int(row["group_size"]), temperature=float(row["temperature"]),
-            max_new_tokens=int(row["max_new_tokens"]), seeds=tuple(json.loads(row["seeds"])),
-            stop_token_ids=tuple(json.loads(row["stop_token_ids"])), policy_version=int(row["policy_version"]),
-            issued_ms=int(row["issued_ms"]), deadline_ms=int(row["deadline_ms"]), state=st.LeaseState(row["state"]),
-        )
 
 
 @dataclass

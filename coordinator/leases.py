@@ -139,11 +139,11 @@ class LeaseDesk:
             for lease_id, seeds in fresh[:k]:
                 # A prompt back in the pool (its lease expired or was spent) goes first, else a new one.
                 prompt_id, ids, env = st.take_pending_prompt(conn) or self._draw_prompt(conn)
-                st.insert_lease(conn, st.NewLease(
+                st.insert_lease(conn, st.LeaseRecord(
                     lease_id=lease_id, node_id=node.node_id, prompt_id=prompt_id, group_size=lc.group_size,
-                    temperature=lc.temperature, max_new_tokens=lc.max_new_tokens, seeds=seeds,
-                    stop_token_ids=self.stop_token_ids, policy_version=lease_version, issued_ms=now,
-                    deadline_ms=deadline, probation=probation))
+                    temperature=lc.temperature, max_new_tokens=lc.max_new_tokens, seeds=tuple(seeds),
+                    stop_token_ids=tuple(self.stop_token_ids), policy_version=lease_version, issued_ms=now,
+                    deadline_ms=deadline, state=st.LeaseState.OPEN, probation=probation))
                 issued.append((lease_id, ids, env, seeds))
             return issued, expired, ""
 

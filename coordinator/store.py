@@ -748,29 +748,43 @@ def prompts_drawn(conn: sqlite3.Connection) -> int:
 
 
 @dataclass(frozen=True)
-class NewLease:
+class LeaseRecord:
+    """A lease as issued and stored: what the node was asked to generate, and the state of the ask."""
+
     lease_id: str
     node_id: str
     prompt_id: int
     group_size: int
     temperature: float
     max_new_tokens: int
-    seeds: list[int]
-    stop_token_ids: list[int]
+    seeds: tuple[int, ...]
+    stop_token_ids: tuple[int, ...]
     policy_version: int
     issued_ms: int
     deadline_ms: int
-    probation: bool
+    state: LeaseState
+    probation: bool = False  # issued to a node on probation (counts towards leases.probation_share)
+
+    @classmethod
+    def from_row(cls, row) -> LeaseRecord:
+        return cls(
+            lease_id=row["lease_id"], node_id=row["node_id"], prompt_id=int(row["prompt_id"]),
+            group_size=int(row["group_size"]), temperature=float(row["temperature"]),
+            max_new_tokens=int(row["max_new_tokens"]), seeds=tuple(json.loads(row["seeds"])),
+            stop_token_ids=tuple(json.loads(row["stop_token_ids"])), policy_version=int(row["policy_version"]),
+            issued_ms=int(row["issued_ms"]), deadline_ms=int(row["deadline_ms"]), state=LeaseState(row["state"]),
+            probation=bool(row["probation"]),
+        )
 
 
-def insert_lease(conn: sqlite3.Connection, lease: NewLease) -> None:
+def insert_lease(conn: sqlite3.Connection, lease: LeaseRecord) -> None:
     conn.execute(
         "INSERT INTO leases(lease_id, node_id, prompt_id, group_size, temperature, max_new_tokens, seeds, "
         "stop_token_ids, policy_version, issued_ms, deadline_ms, state, probation) "
         "VALUES(?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
         (lease.lease_id, lease.node_id, lease.prompt_id, lease.group_size, lease.temperature, lease.max_new_tokens,
-         json.dumps(lease.seeds), json.dumps(lease.stop_token_ids), lease.policy_version, lease.issued_ms,
-         lease.deadline_ms, LeaseState.OPEN, int(lease.probation)),
+         json.dumps(list(lease.seeds)), json.dumps(list(lease.stop_token_ids)), lease.policy_version, lease.issued_ms,
+         lease.deadline_ms, lease.state, int(lease.probation)),
     )
 
 

@@ -590,21 +590,9 @@ def check_torch_build() -> Check:
     """Whether the installed torch fits this machine (a CUDA build without a driver costs gigabytes for
     nothing; a CPU build leaves a GPU idle) and is the version veriroll is tested with; from package
     metadata, without importing torch."""
-    from importlib import metadata
+    from veriroll.cli.install import installed_torch_fit
 
-    from veriroll.cli.install import (
-        installed_cuda_mb,
-        nvidia_driver_present,
-        tested_torch_version,
-        torch_advice,
-    )
-
-    try:
-        torch = metadata.version("torch")
-    except metadata.PackageNotFoundError:
-        torch = None
-    tested = tested_torch_version()
-    advice = tested and torch_advice(torch, tested, installed_cuda_mb(), nvidia_driver_present())
+    torch, advice = installed_torch_fit()
     if advice:
         what, _, fix = advice.partition("; ")
         return Check("torch build", WARN, what, fix or advice)

@@ -17,10 +17,10 @@ from veriroll.protos.identity import PrivateKey
 from veriroll.protos.v1 import coordinator_pb2 as pb
 
 
-def lease(node_id: str, prompt_id: int, lease_id: str, *, probation: bool, deadline: int = 10_000) -> st.NewLease:
-    return st.NewLease(lease_id=lease_id, node_id=node_id, prompt_id=prompt_id, group_size=2, temperature=1.0,
-                       max_new_tokens=3, seeds=[1, 2], stop_token_ids=[2], policy_version=0, issued_ms=0,
-                       deadline_ms=deadline, probation=probation)
+def lease(node_id: str, prompt_id: int, lease_id: str, *, probation: bool, deadline: int = 10_000) -> st.LeaseRecord:
+    return st.LeaseRecord(lease_id=lease_id, node_id=node_id, prompt_id=prompt_id, group_size=2, temperature=1.0,
+                          max_new_tokens=3, seeds=(1, 2), stop_token_ids=(2,), policy_version=0, issued_ms=0,
+                          deadline_ms=deadline, state=st.LeaseState.OPEN, probation=probation)
 
 
 def group(lease_id: str, node_id: str, prompt_id: int, rewards: list[float]) -> st.AcceptedGroup:
