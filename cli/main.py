@@ -61,6 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
     # Every subcommand is first-party and shipped in the same wheel (none needs an optional extra), so
     # they are imported unconditionally: a broken install fails loudly here instead of losing commands.
     from veriroll.coordinator.cli import register as register_coordinator
+    from veriroll.coordinator.plan import register as register_plan
     from veriroll.deploy.testnet import register as register_testnet
     from veriroll.node.cli import register as register_node
     from veriroll.shardcast.cli import register as register_shardcast
@@ -69,6 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
     register_node(sub)
     register_shardcast(sub)
     register_testnet(sub)
+    register_plan(sub)
     return parser
 
 

@@ -1,0 +1,314 @@
+"""Capacity planner: what a deployment needs, from measured per-unit costs (``veriroll plan``).
+
+The throughput bookkeeping of a run, made executable. The fleet offers groups at the rate its nodes
+generate them; every other part must carry that rate:
+
+    groups_per_s      = nodes * node_tokens_per_s / (group_size * tokens_per_sample)   (offered)
+    edge processes    = groups_per_s * edge_s_per_group / utilization
+    store writes      = groups_per_s * store_writes_per_group, grouped into commits of one durable write each
+    verifier devices  = groups_per_s * group_size * (prompt + tokens) * audit_fraction * verify_s_per_token
+                        / utilization,   verify_s_per_token = 2 * params / device_flops (a prefill)
+    trainer devices   = groups_per_s * group_size * (prompt + tokens) * 8 * params / gpu_flops / utilization
+    broadcast to 95%  = S / r + (depth - 1) * shard / r,  S = params * bytes_per_param (* delta_ratio),
+                        r = min(relay_upload / fanout, node_download), depth = ceil(log_fanout(0.95 * nodes))
+    staleness         = publishes during the span a group's policy is old for: T = generation + broadcast;
+                        with T = m * P + r (0 <= r < P), P(k = m) = 1 - r/P and P(k = m + 1) = r/P
+
+Each unit cost carries its source and whether it was measured on the 2-core development machine or
+is an assumption; ``--costs FILE`` (JSON, ``{"name": value}`` or ``{"name": {"value": ...}}``)
+replaces any of them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from pathlib import Path
+
+
+class PlanError(ValueError):
+    """An input the model cannot plan for; the message names the input and the reason."""
+
+
+@dataclasses.dataclass(frozen=True)
+class UnitCost:
+    value: float
+    unit: str
+    source: str
+    measured: bool  # measured on this machine (True) or an assumption stated in ``source`` (False)
+
+
+DEFAULT_COSTS: dict[str, UnitCost] = {
+    "edge_s_per_group": UnitCost(
+        0.010, "CPU s per accepted group (8x64 tokens), its lease and heartbeats included",
+        "benchmarks/scale.py: one coordinator process (TLS, SQLite group commit, verification off) saturates at "
+        "85-100 accepted groups/s, GIL-bound; benchmarks/intake.py without heartbeats holds 310-380 groups/s "
+        "(~3 ms of submit path alone)", True),
+    "edge_s_per_token": UnitCost(
+        2e-7, "CPU s per sampled token on the wire (TLS, protobuf parse, shape checks)",
+        "assumption: ~15 bytes per token (token id, fp32 log-prob, TOPLOC proof share) at ~75 MB/s of TLS + "
+        "parsing on one core; negligible at 8x64, a third of the cost at 16x2048", False),
+    "edge_reference_tokens": UnitCost(
+        512, "tokens per group in the edge_s_per_group measurement", "benchmarks/scale.py default 8x64", True),
+    "store_writes_per_group": UnitCost(
+        2, "durable writes per accepted group", "store.py: issue the lease, accept the group (spends the lease)",
+        True),
+    "store_commit_s": UnitCost(
+        0.004, "s per durable SQLite commit (WAL, fsync); group commit shares one among every waiting write",
+        "benchmarks/scale.py fixed_costs sqlite_commit_ms on this machine's disk: ~2-5 ms", True),
+    "cpu_verify_flops": UnitCost(
+        4.2e10, "effective FLOP/s of the trusted verifier on this machine's CPU",
+        "benchmarks/real_model.py: SmolLM2-135M fp32 on CPU verifies an 8x64 group in 2.2-4.4 s (prefill, TOPLOC, "
+        "sampling replay, log-probs): 2 * 135e6 * 512 / 3.3 s", True),
+    "gpu_flops": UnitCost(
+        2e14, "effective FLOP/s of one datacenter GPU on prefill or training",
+        "assumption: an H100-class GPU at ~20% of its ~990 TFLOP/s bf16 peak once TOPLOC, the sampling replay "
+        "and host transfers are paid for", False),
+    "trainer_flops_per_token_per_param": UnitCost(
+        8, "FLOPs per trained token per parameter",
+        "assumption: forward + backward (6) plus the old-policy log-probs (2)", False),
+    "node_memory_bandwidth": UnitCost(
+        1.0e12, "bytes/s of a volunteer GPU's memory",
+        "assumption: a 24 GB consumer GPU (RTX 4090 ~1 TB/s); decoding is bandwidth-bound, so node tokens/s = "
+        "group_size * bandwidth / weight bytes unless --node-tokens-per-s says otherwise", False),
+    "node_memory_bytes": UnitCost(
+        24e9, "bytes of a volunteer GPU's memory", "assumption: a 24 GB consumer GPU", False),
+    "bytes_per_param": UnitCost(
+        2, "bytes per parameter of a published version",
+        "bf16; SmolLM2-135M publishes 272.6 MB in bf16, 541.6 MB in fp32 (benchmarks/real_model.py publish_bytes)",
+        True),
+    "delta_ratio": UnitCost(
+        0.05, "bytes shipped as a delta / whole version",
+        "docs/broadcast.md: bf16 ~0.05, fp32 ~0.3 on SmolLM2 after an RL step", True),
+    "shard_bytes": UnitCost(
+        32 * 2**20, "bytes per shard (the unit a streaming relay forwards)", "shardcast DEFAULT_SHARD_SIZE", True),
+    "relay_upload_bytes_per_s": UnitCost(
+        125e6, "upload bytes/s of one relay", "assumption: a 1 Gbit/s rented server", False),
+    "node_download_bytes_per_s": UnitCost(
+        12.5e6, "download bytes/s of one volunteer", "assumption: a 100 Mbit/s home link", False),
+    "relay_fanout": UnitCost(
+        16, "downloads one relay serves at once", "assumption: the relay's transfer slots per version", False),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    """What the operator runs: the fleet, the model and the run's settings."""
+
+    model_params: float
+    nodes: int
+    tokens_per_sample: int
+    group_size: int
+    audit_fraction: float
+    prompt_tokens: int = 256
+    node_tokens_per_s: float | None = None  # None: from the node's memory bandwidth and the weight bytes
+    publish_every_s: float = 60.0
+    deltas: bool = True
+    verifier_device: str = "gpu"
+    utilization: float = 0.8
+
+
+def load_costs(path: str | Path | None = None) -> dict[str, UnitCost]:
+    """The default unit costs, with any named in the JSON file at ``path`` replacing them."""
+    costs = dict(DEFAULT_COSTS)
+    if path is None:
+        return costs
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise PlanError(f"--costs {path}: cannot read it as JSON ({e})") from e
+    if not isinstance(data, dict):
+        raise PlanError(f"--costs {path}: expected a JSON object of name -> value")
+    for name, raw in data.items():
+        if name not in costs:
+            raise PlanError(f"--costs {path}: unknown cost {name!r}; known: {', '.join(sorted(costs))}")
+        value = raw.get("value") if isinstance(raw, dict) else raw
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+            raise PlanError(f"--costs {path}: {name} must be a finite number >= 0, got {value!r}")
+        source = raw.get("source", f"--costs {path}") if isinstance(raw, dict) else f"--costs {path}"
+        costs[name] = dataclasses.replace(costs[name], value=float(value), source=str(source), measured=True)
+    return costs
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise PlanError(message)
+
+
+def validate(w: Workload, costs: dict[str, UnitCost]) -> None:
+    """Refuse inputs the arithmetic would turn into nonsense (zero, negative, NaN), naming the input."""
+    def positive(name: str, value: float | None) -> None:
+        _require(value is not None and math.isfinite(value) and value > 0, f"{name} must be > 0, got {value!r}")
+
+    positive("--model-params", w.model_params)
+    positive("--nodes", w.nodes)
+    positive("--tokens-per-sample", w.tokens_per_sample)
+    positive("--group-size", w.group_size)
+    positive("--publish-every-s", w.publish_every_s)
+    if w.node_tokens_per_s is not None:
+        positive("--node-tokens-per-s", w.node_tokens_per_s)
+    _require(math.isfinite(w.prompt_tokens) and w.prompt_tokens >= 0, f"--prompt-tokens must be >= 0, got {w.prompt_tokens!r}")
+    _require(0.0 <= w.audit_fraction <= 1.0, f"--audit-fraction must be within [0, 1], got {w.audit_fraction!r}")
+    _require(0.0 < w.utilization <= 1.0, f"--utilization must be within (0, 1], got {w.utilization!r}")
+    _require(w.verifier_device in ("gpu", "cpu"), f"--verifier-device must be gpu or cpu, got {w.verifier_device!r}")
+    for name in ("edge_s_per_group", "edge_reference_tokens", "store_commit_s", "cpu_verify_flops", "gpu_flops",
+                 "trainer_flops_per_token_per_param", "node_memory_bandwidth", "bytes_per_param", "shard_bytes",
+                 "relay_upload_bytes_per_s", "node_download_bytes_per_s", "relay_fanout"):
+        positive(f"cost {name}", costs[name].value)
+    _require(costs["relay_fanout"].value >= 2, f"cost relay_fanout must be >= 2, got {costs['relay_fanout'].value}")
+    _require(0 < costs["delta_ratio"].value <= 1, f"cost delta_ratio must be within (0, 1], got {costs['delta_ratio'].value}")
+
+
+def staleness_distribution(span_s: float, publish_every_s: float) -> dict[int, float]:
+    """P(k versions are published while a group's policy ages ``span_s`` seconds), publishes every P s.
+
+    The span starts at a uniformly random phase of the publish clock. With span = m*P + r, it covers
+    m boundaries, or m + 1 when it starts within r of the next one: probability r / P.
+    """
+    m, r = divmod(span_s, publish_every_s)
+    m = int(m)
+    p_next = r / publish_every_s
+    dist = {m: 1.0 - p_next}
+    if p_next > 0:
+        dist[m + 1] = p_next
+    return dist
+
+
+def broadcast_time_s(nodes_reached: float, version_bytes: float, costs: dict[str, UnitCost]) -> tuple[float, int, int]:
+    """Seconds for a version to reach ``nodes_reached`` nodes through a streaming relay tree.
+
+    Returns (seconds, depth, relays). Every hop streams at r = min(relay_upload / fanout, node_download);
+    a relay forwards a shard once it has verified it, so each level below the first adds one shard time.
+    """
+    fanout = costs["relay_fanout"].value
+    rate = min(costs["relay_upload_bytes_per_s"].value / fanout, costs["node_download_bytes_per_s"].value)
+    depth = max(1, math.ceil(math.log(max(nodes_reached, 1.0)) / math.log(fanout) - 1e-9))
+    shard = min(costs["shard_bytes"].value, version_bytes)
+    relays = sum(math.ceil(nodes_reached / fanout ** level) for level in range(1, depth))
+    return version_bytes / rate + (depth - 1) * shard / rate, depth, relays
+
+
+def plan(w: Workload, costs: dict[str, UnitCost] | None = None) -> dict:
+    """The deployment ``w`` needs: processes, devices, rates and times, as one flat dict of figures."""
+    costs = costs or dict(DEFAULT_COSTS)
+    validate(w, costs)
+    c = {name: cost.value for name, cost in costs.items()}
+    group_tokens = w.group_size * w.tokens_per_sample
+    weight_bytes = w.model_params * c["bytes_per_param"]
+    node_tok_s = w.node_tokens_per_s or w.group_size * c["node_memory_bandwidth"] / weight_bytes
+    generation_s = group_tokens / node_tok_s
+    groups_per_s = w.nodes / generation_s
+
+    edge_s = c["edge_s_per_group"] + c["edge_s_per_token"] * max(0.0, group_tokens - c["edge_reference_tokens"])
+    edge_cores = groups_per_s * edge_s
+    writes_per_s = groups_per_s * c["store_writes_per_group"]
+    # Group commit: one durable commit at a time, each carrying every write that arrived meanwhile.
+    commits_per_s = min(writes_per_s, 1.0 / c["store_commit_s"])
+
+    prefill_tokens = w.group_size * (w.prompt_tokens + w.tokens_per_sample)
+    audited_tokens_per_s = groups_per_s * prefill_tokens * w.audit_fraction
+    device_flops = c["gpu_flops"] if w.verifier_device == "gpu" else c["cpu_verify_flops"]
+    verify_s_per_token = 2 * w.model_params / device_flops
+    verifier_busy = audited_tokens_per_s * verify_s_per_token
+    trained_tokens_per_s = groups_per_s * prefill_tokens
+    trainer_busy = trained_tokens_per_s * c["trainer_flops_per_token_per_param"] * w.model_params / c["gpu_flops"]
+
+    version_bytes = weight_bytes * (c["delta_ratio"] if w.deltas else 1.0)
+    broadcast_s, depth, relays = broadcast_time_s(0.95 * w.nodes, version_bytes, costs)
+    staleness = staleness_distribution(generation_s + broadcast_s, w.publish_every_s)
+
+    def devices(busy: float) -> int:
+        return max(1, math.ceil(busy / w.utilization - 1e-9))
+
+    return {
+        "groups_per_s": groups_per_s,
+        # Weights past one consumer GPU's memory need a quantized or tensor-parallel node; the default
+        # node_tokens_per_s assumes they fit.
+        "weights_fit_node_gpu": weight_bytes <= c["node_memory_bytes"],
+        "node_tokens_per_s": node_tok_s,
+        "generation_s_per_group": generation_s,
+        "edge_cpu_s_per_group": edge_s,
+        "edge_processes": devices(edge_cores),
+        "store_writes_per_s": writes_per_s,
+        "store_commits_per_s": commits_per_s,
+        "store_writes_per_commit": writes_per_s / commits_per_s,
+        "store_writer_busy": commits_per_s * c["store_commit_s"],
+        "audited_tokens_per_s": audited_tokens_per_s,
+        "verify_s_per_token": verify_s_per_token,
+        "verifier_devices": devices(verifier_busy),
+        "verifier_device": w.verifier_device,
+        "trained_tokens_per_s": trained_tokens_per_s,
+        "trainer_gpus": devices(trainer_busy),
+        "version_bytes": version_bytes,
+        "broadcast_s_to_95pct": broadcast_s,
+        "relay_depth": depth,
+        "relays": relays,
+        "staleness_span_s": generation_s + broadcast_s,
+        "staleness": {str(k): p for k, p in sorted(staleness.items())},
+        "mean_staleness": sum(k * p for k, p in staleness.items()),
+    }
+
+
+def render(w: Workload, p: dict, costs: dict[str, UnitCost]) -> str:
+    """The plan as lines an operator reads, with the assumptions it rests on."""
+    stale = ", ".join(f"P({k})={v:.2f}" for k, v in p["staleness"].items())
+    lines = [
+        f"workload: {w.nodes} nodes, {w.model_params:.3g} params, groups of {w.group_size} x {w.tokens_per_sample} "
+        f"tokens (+{w.prompt_tokens} prompt), audit {w.audit_fraction:.0%}",
+        f"offered: {p['groups_per_s']:.1f} groups/s ({p['node_tokens_per_s']:.0f} tokens/s per node, "
+        f"{p['generation_s_per_group']:.1f} s per group)"
+        + ("" if p["weights_fit_node_gpu"] else "; the weights do not fit one volunteer GPU: nodes need a "
+           "quantized or multi-GPU engine, and --node-tokens-per-s should say what they reach"),
+        f"edge processes: {p['edge_processes']} ({p['edge_cpu_s_per_group'] * 1000:.1f} ms CPU per group, "
+        f"{w.utilization:.0%} target utilization)",
+        f"store: {p['store_writes_per_s']:.1f} writes/s in {p['store_commits_per_s']:.1f} transactions/s with group "
+        f"commit ({p['store_writes_per_commit']:.1f} writes per commit, writer {p['store_writer_busy']:.0%} busy)",
+        f"verifier {w.verifier_device}s: {p['verifier_devices']} ({p['audited_tokens_per_s']:.0f} audited tokens/s, "
+        f"{p['verify_s_per_token'] * 1e3:.3f} ms per token)",
+        f"trainer GPUs: {p['trainer_gpus']} ({p['trained_tokens_per_s']:.0f} tokens/s)",
+        f"broadcast: {p['version_bytes'] / 1e6:.0f} MB per version{' (delta)' if w.deltas else ''}, "
+        f"{p['broadcast_s_to_95pct']:.0f} s to 95% of nodes through {p['relays']} relays, depth {p['relay_depth']}",
+        f"staleness at one version every {w.publish_every_s:g} s (policy ages {p['staleness_span_s']:.0f} s "
+        f"per group): {stale}; mean {p['mean_staleness']:.2f}",
+        "assumed, not measured here: " + ", ".join(n for n, c in costs.items() if not c.measured),
+    ]
+    return "\n".join(lines)
+
+
+def cmd_plan(args) -> int:
+    w = Workload(model_params=args.model_params, nodes=args.nodes, tokens_per_sample=args.tokens_per_sample,
+                 group_size=args.group_size, audit_fraction=args.audit_fraction, prompt_tokens=args.prompt_tokens,
+                 node_tokens_per_s=args.node_tokens_per_s, publish_every_s=args.publish_every_s,
+                 deltas=not args.no_deltas, verifier_device=args.verifier_device, utilization=args.utilization)
+    try:
+        costs = load_costs(args.costs)
+        p = plan(w, costs)
+    except PlanError as e:
+        args.parser.error(str(e))
+    if args.json:
+        print(json.dumps({**p, "costs": {n: dataclasses.asdict(c) for n, c in costs.items()}}))
+    else:
+        print(render(w, p, costs))
+    return 0
+
+
+def register(subparsers) -> None:
+    """Add ``veriroll plan``."""
+    p = subparsers.add_parser("plan", help="what a deployment needs (edges, verifiers, store, broadcast, staleness) "
+                                           "from measured unit costs")
+    p.add_argument("--model-params", type=float, required=True, help="parameters of the policy, e.g. 7e9")
+    p.add_argument("--nodes", type=int, required=True, help="volunteer nodes generating at once")
+    p.add_argument("--tokens-per-sample", type=int, required=True, help="generated tokens per sample")
+    p.add_argument("--group-size", type=int, required=True, help="samples per group")
+    p.add_argument("--audit-fraction", type=float, default=1.0, help="share of groups the trusted verifier prefills")
+    p.add_argument("--prompt-tokens", type=int, default=256, help="prompt tokens per sample (prefilled too)")
+    p.add_argument("--node-tokens-per-s", type=float, default=None,
+                   help="generated tokens/s per node (default: bandwidth-bound decoding on a 24 GB consumer GPU)")
+    p.add_argument("--publish-every-s", type=float, default=60.0, help="seconds between published versions")
+    p.add_argument("--no-deltas", action="store_true", help="ship whole versions instead of deltas")
+    p.add_argument("--verifier-device", default="gpu", help="gpu or cpu")
+    p.add_argument("--utilization", type=float, default=0.8, help="target busy share of every process and device")
+    p.add_argument("--costs", default=None, metavar="FILE", help="JSON of unit costs replacing the defaults")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=cmd_plan, parser=p)
