@@ -230,6 +230,7 @@ def plan(w: Workload, costs: dict[str, UnitCost] | None = None) -> dict:
         "generation_s_per_group": generation_s,
         "edge_cpu_s_per_group": edge_s,
         "edge_processes": devices(edge_cores),
+        "groups_per_s_per_edge": 1.0 / edge_s,
         "store_writes_per_s": writes_per_s,
         "store_commits_per_s": commits_per_s,
         "store_writes_per_commit": writes_per_s / commits_per_s,

@@ -1,0 +1,91 @@
+"""The planner against a measured run: predicted vs measured accepted groups/s on this machine.
+
+Runs benchmarks/scale.py's simulated fleet (real clients, real TLS coordinator, SQLite, verification
+off) at two points: one the coordinator carries (the fleet's offered rate decides) and one past its
+ceiling (one edge process's CPU per group decides). For each, the planner predicts
+``min(offered, groups_per_s_per_edge)`` from the same think time and group shape.
+
+    .venv/bin/python benchmarks/plan_check.py [--quick]
+
+``--quick`` (under 5 minutes): 100 nodes and 400 nodes, 10 s windows. Staleness is not measured: the
+simulated fleet runs with the trainer off, so no version is published. The last line is one JSON
+object: ``points`` (nodes, predicted_groups_per_s, measured_groups_per_s, error), the worst point's
+``predicted_groups_per_s`` / ``measured_groups_per_s``, and ``within_25pct``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+HERE = Path(__file__).resolve()
+sys.path.insert(0, str(HERE.parent))
+
+from scale import run_scale  # noqa: E402  (benchmarks/ is not a package: scale.py is imported by path)
+
+from veriroll.coordinator.plan import Workload, plan  # noqa: E402
+
+
+def predicted_groups_per_s(nodes: int, args) -> float:
+    """What the planner expects one edge process to hold for this simulated fleet."""
+    mean_think = args.think_s * math.exp(args.think_sigma ** 2 / 2)
+    w = Workload(model_params=1.0, nodes=nodes, tokens_per_sample=args.tokens, group_size=args.group_size,
+                 audit_fraction=0.0, prompt_tokens=0, node_tokens_per_s=args.group_size * args.tokens / mean_think)
+    p = plan(w)
+    return min(p["groups_per_s"], p["groups_per_s_per_edge"])
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="100 and 400 nodes, 10 s windows (under 5 minutes)")
+    ap.add_argument("--scales", default="100,400", help="comma-separated node counts")
+    ap.add_argument("--measure-s", type=float, default=20.0)
+    ap.add_argument("--think-s", type=float, default=1.5, help="median think (generation) time per lease")
+    ap.add_argument("--think-sigma", type=float, default=0.5)
+    ap.add_argument("--group-size", type=int, default=8)
+    ap.add_argument("--tokens", type=int, default=64)
+    args = ap.parse_args()
+    # The fields run_scale reads, at scale.py's defaults.
+    args.ramp_s, args.ramp_rate, args.settle_s, args.heartbeat_s = 3.0, 50.0, 3.0, 5.0
+    args.client_procs, args.call_timeout_s = 2, 30.0
+    if args.quick:
+        args.measure_s, args.settle_s = 10.0, 2.0
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    root = Path(tempfile.mkdtemp(prefix="veriroll-bench-plan-"))
+    points = []
+    try:
+        for n in [int(x) for x in args.scales.split(",") if x.strip()]:
+            s = run_scale(n, args, root)
+            predicted = predicted_groups_per_s(n, args)
+            measured = s["submissions_per_s"]
+            error = (predicted - measured) / measured if measured else None
+            points.append({"nodes": n, "predicted_groups_per_s": round(predicted, 1),
+                           "measured_groups_per_s": measured, "error": round(error, 3) if error is not None else None,
+                           "coordinator_cores": s["coordinator"]["cpu_cores"],
+                           "cpu_ms_per_group": s["coordinator"]["cpu_ms_per_group"], "load_avg": s["load_avg"]})
+            print(f"{n:5d} nodes: predicted {predicted:6.1f} groups/s, measured {measured:6.1f} "
+                  f"({'n/a' if error is None else f'{error:+.0%}'}), coordinator {s['coordinator']['cpu_cores']:.2f} "
+                  f"cores, {s['coordinator']['cpu_ms_per_group']} ms CPU per group, load {s['load_avg']}", flush=True)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    worst = max(points, key=lambda p: abs(p["error"]) if p["error"] is not None else math.inf)
+    print(json.dumps({
+        "points": points, "predicted_groups_per_s": worst["predicted_groups_per_s"],
+        "measured_groups_per_s": worst["measured_groups_per_s"],
+        "within_25pct": all(p["error"] is not None and abs(p["error"]) <= 0.25 for p in points),
+        "staleness": "not measured (trainer off in the simulated fleet)",
+        "config": {"think_median_s": args.think_s, "think_sigma": args.think_sigma,
+                   "group": f"{args.group_size}x{args.tokens} tokens", "measure_s": args.measure_s,
+                   "cpus": os.cpu_count()},
+    }))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

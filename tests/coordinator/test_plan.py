@@ -1,0 +1,157 @@
+"""The capacity planner: its arithmetic on hand-computed cases, its command line, its refusals."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+from veriroll.cli.main import main
+from veriroll.coordinator.plan import (
+    DEFAULT_COSTS,
+    PlanError,
+    Workload,
+    broadcast_time_s,
+    load_costs,
+    plan,
+    staleness_distribution,
+)
+
+
+def costs_with(**values: float) -> dict:
+    costs = dict(DEFAULT_COSTS)
+    for name, value in values.items():
+        costs[name] = dataclasses.replace(costs[name], value=value)
+    return costs
+
+
+def small_workload(**changes) -> Workload:
+    # 100 nodes, each making one 4 x 25-token group per second: 100 groups/s.
+    w = Workload(model_params=1e11, nodes=100, tokens_per_sample=25, group_size=4, audit_fraction=0.5,
+                 prompt_tokens=0, node_tokens_per_s=100.0, publish_every_s=60.0)
+    return dataclasses.replace(w, **changes)
+
+
+def test_staleness_spans_whole_and_partial_publish_intervals():
+    assert staleness_distribution(30, 60) == {0: 0.5, 1: 0.5}
+    assert staleness_distribution(120, 60) == {2: 1.0}
+    dist = staleness_distribution(130, 60)
+    assert set(dist) == {2, 3}
+    assert dist[2] == pytest.approx(5 / 6) and dist[3] == pytest.approx(1 / 6)
+
+
+def test_broadcast_time_is_stream_time_plus_one_shard_per_extra_level():
+    costs = costs_with(relay_upload_bytes_per_s=160, relay_fanout=16, node_download_bytes_per_s=100, shard_bytes=100)
+    # rate = min(160 / 16, 100) = 10 B/s; 256 nodes at fan-out 16: depth 2, 16 relays.
+    seconds, depth, relays = broadcast_time_s(256, 1000, costs)
+    assert (seconds, depth, relays) == (pytest.approx(1000 / 10 + 100 / 10), 2, 16)
+    # Few enough nodes for the origin alone: one level, no relays.
+    assert broadcast_time_s(10, 1000, costs) == (pytest.approx(100.0), 1, 0)
+
+
+def test_plan_counts_edges_store_and_verifiers_by_hand():
+    costs = costs_with(edge_s_per_group=0.01, edge_reference_tokens=100, store_commit_s=0.004, gpu_flops=2e14)
+    p = plan(small_workload(), costs)
+    assert p["groups_per_s"] == pytest.approx(100.0)
+    assert p["generation_s_per_group"] == pytest.approx(1.0)
+    assert p["edge_processes"] == 2  # 100 groups/s * 10 ms = 1.0 core, at 80% utilization
+    assert p["store_writes_per_s"] == pytest.approx(200.0)
+    assert p["store_commits_per_s"] == pytest.approx(200.0)
+    # 100 groups/s * 100 tokens * 0.5 audited = 5,000 tokens/s at 2 * 1e11 / 2e14 = 1 ms each: 5 busy, 7 at 80%.
+    assert p["audited_tokens_per_s"] == pytest.approx(5000.0)
+    assert p["verify_s_per_token"] == pytest.approx(1e-3)
+    assert p["verifier_devices"] == 7
+
+
+def test_group_commit_shares_one_commit_among_waiting_writes():
+    p = plan(small_workload(), costs_with(store_commit_s=0.01))
+    assert p["store_commits_per_s"] == pytest.approx(100.0)
+    assert p["store_writes_per_commit"] == pytest.approx(2.0)
+    assert p["store_writer_busy"] == pytest.approx(1.0)
+
+
+def test_deltas_shrink_the_version_by_the_delta_ratio():
+    costs = costs_with(bytes_per_param=2, delta_ratio=0.05)
+    whole = plan(small_workload(deltas=False), costs)
+    delta = plan(small_workload(deltas=True), costs)
+    assert whole["version_bytes"] == pytest.approx(2e11)
+    assert delta["version_bytes"] == pytest.approx(1e10)
+    assert delta["broadcast_s_to_95pct"] < whole["broadcast_s_to_95pct"]
+
+
+def test_default_node_rate_is_bandwidth_bound_decoding():
+    w = small_workload(model_params=7e9, node_tokens_per_s=None)
+    p = plan(w, costs_with(node_memory_bandwidth=1e12, bytes_per_param=2))
+    assert p["node_tokens_per_s"] == pytest.approx(4 * 1e12 / 14e9)
+    assert p["weights_fit_node_gpu"] is True
+    assert plan(dataclasses.replace(w, model_params=32e9))["weights_fit_node_gpu"] is False
+
+
+def test_cli_prints_every_figure(capsys):
+    assert main(["plan", "--model-params", "7e9", "--nodes", "2000", "--tokens-per-sample", "2048",
+                 "--group-size", "16", "--audit-fraction", "0.1"]) == 0
+    out = capsys.readouterr().out
+    for words in ("edge processes:", "transactions/s with group commit", "verifier gpus:", "to 95% of nodes",
+                  "staleness at one version every 60 s", "assumed, not measured here:"):
+        assert words in out
+
+
+def test_cli_json_has_the_planned_keys_and_cost_sources(capsys):
+    assert main(["plan", "--model-params", "7e9", "--nodes", "2000", "--tokens-per-sample", "2048",
+                 "--group-size", "16", "--audit-fraction", "0.1", "--publish-every-s", "30", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    for key in ("edge_processes", "verifier_devices", "store_writes_per_s", "store_commits_per_s",
+                "broadcast_s_to_95pct", "staleness", "groups_per_s", "trainer_gpus"):
+        assert key in data
+    assert sum(data["staleness"].values()) == pytest.approx(1.0)
+    assert data["costs"]["edge_s_per_group"]["measured"] is True
+    assert data["costs"]["gpu_flops"]["measured"] is False
+
+
+def test_costs_file_replaces_a_default(tmp_path, capsys):
+    path = tmp_path / "costs.json"
+    path.write_text(json.dumps({"edge_s_per_group": {"value": 0.1, "source": "my run"}}))
+    assert main(["plan", "--model-params", "1e9", "--nodes", "100", "--tokens-per-sample", "64",
+                 "--group-size", "8", "--node-tokens-per-s", "512", "--costs", str(path), "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    # 100 groups/s at 0.1 s of CPU each: 10 busy cores, 13 at 80%.
+    assert data["edge_processes"] == 13
+    assert data["costs"]["edge_s_per_group"]["source"] == "my run"
+
+
+@pytest.mark.parametrize("flag, value, message", [
+    ("--nodes", "-5", "--nodes must be > 0"),
+    ("--group-size", "0", "--group-size must be > 0"),
+    ("--audit-fraction", "1.5", "--audit-fraction must be within [0, 1]"),
+    ("--publish-every-s", "0", "--publish-every-s must be > 0"),
+    ("--node-tokens-per-s", "nan", "--node-tokens-per-s must be > 0"),
+    ("--verifier-device", "tpu", "--verifier-device must be gpu or cpu"),
+])
+def test_bad_input_is_refused_with_its_name(flag, value, message, capsys):
+    args = ["plan", "--model-params", "7e9", "--nodes", "10", "--tokens-per-sample", "64", "--group-size", "8"]
+    with pytest.raises(SystemExit) as exc:
+        main(args + [flag, value])
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_zero_bandwidth_in_a_costs_file_is_refused(tmp_path):
+    path = tmp_path / "costs.json"
+    path.write_text(json.dumps({"relay_upload_bytes_per_s": 0}))
+    with pytest.raises(PlanError, match="relay_upload_bytes_per_s must be > 0"):
+        plan(small_workload(), load_costs(path))
+
+
+@pytest.mark.parametrize("content, message", [
+    ('{"no_such_cost": 1}', "unknown cost 'no_such_cost'"),
+    ('{"gpu_flops": -1}', "gpu_flops must be a finite number >= 0"),
+    ('{"gpu_flops": "fast"}', "gpu_flops must be a finite number >= 0"),
+    ("[1, 2]", "expected a JSON object"),
+    ("{not json", "cannot read it as JSON"),
+])
+def test_malformed_costs_file_is_refused(tmp_path, content, message):
+    path = tmp_path / "costs.json"
+    path.write_text(content)
+    with pytest.raises(PlanError, match=message.replace("[", r"\[").replace("(", r"\(")):
+        load_costs(path)
