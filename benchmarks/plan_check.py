@@ -1,13 +1,13 @@
 """The planner against a measured run: predicted vs measured accepted groups/s on this machine.
 
 Runs benchmarks/scale.py's simulated fleet (real clients, real TLS coordinator, SQLite, verification
-off) at two points: one the coordinator carries (the fleet's offered rate decides) and one past its
-ceiling (one edge process's CPU per group decides). For each, the planner predicts
-``min(offered, groups_per_s_per_edge)`` from the same think time and group shape.
+off) at node counts below the coordinator's ceiling (the fleet's offered rate decides) and past it
+(one edge process's CPU per group decides). For each, the planner predicts
+``min(offered, groups_per_s_one_edge)`` from the same think time and group shape.
 
     .venv/bin/python benchmarks/plan_check.py [--quick]
 
-``--quick`` (under 5 minutes): 100 nodes and 400 nodes, 10 s windows. Staleness is not measured: the
+``--quick`` (under 5 minutes): 100, 400 and 800 nodes, 10 s windows. Staleness is not measured: the
 simulated fleet runs with the trainer off, so no version is published. The last line is one JSON
 object: ``points`` (nodes, predicted_groups_per_s, measured_groups_per_s, error), the worst point's
 ``predicted_groups_per_s`` / ``measured_groups_per_s``, and ``within_25pct``.
@@ -27,24 +27,39 @@ from pathlib import Path
 HERE = Path(__file__).resolve()
 sys.path.insert(0, str(HERE.parent))
 
-from scale import run_scale  # noqa: E402  (benchmarks/ is not a package: scale.py is imported by path)
+import scale  # noqa: E402  (benchmarks/ is not a package: scale.py is imported by path)
 
 from veriroll.coordinator.plan import Workload, plan  # noqa: E402
+
+# Every simulated key is new, so the probation caps (16 open leases for all probation nodes together,
+# 240 leases per node-hour) would be what this measures, not the coordinator: lift them, as a fleet of
+# proven nodes would.
+PROVEN_FLEET = {"leases.probation_share": 1.0, "leases.probation_floor": 10**6, "leases.probation_max_open": 2,
+                "leases.probation_leases_per_hour": 1e9, "leases.probation_lease_burst": 1e6,
+                "intake.probation_groups": 0}
+
+
+def make_proven_fleet_dir(make_dir):
+    """``make_coordinator_dir`` with the probation caps lifted (scale.run_scale calls it by name)."""
+    def make(root, overrides=None, **kwargs):
+        return make_dir(root, {**(overrides or {}), **PROVEN_FLEET}, **kwargs)
+    return make
 
 
 def predicted_groups_per_s(nodes: int, args) -> float:
     """What the planner expects one edge process to hold for this simulated fleet."""
     mean_think = args.think_s * math.exp(args.think_sigma ** 2 / 2)
     w = Workload(model_params=1.0, nodes=nodes, tokens_per_sample=args.tokens, group_size=args.group_size,
-                 audit_fraction=0.0, prompt_tokens=0, node_tokens_per_s=args.group_size * args.tokens / mean_think)
+                 audit_fraction=0.0, prompt_tokens=0, node_tokens_per_s=args.group_size * args.tokens / mean_think,
+                 heartbeat_s=args.heartbeat_s)
     p = plan(w)
-    return min(p["groups_per_s"], p["groups_per_s_per_edge"])
+    return min(p["groups_per_s"], p["groups_per_s_one_edge"])
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="100 and 400 nodes, 10 s windows (under 5 minutes)")
-    ap.add_argument("--scales", default="100,400", help="comma-separated node counts")
+    ap.add_argument("--quick", action="store_true", help="100, 400 and 800 nodes, 10 s windows (under 5 minutes)")
+    ap.add_argument("--scales", default="100,400,800", help="comma-separated node counts")
     ap.add_argument("--measure-s", type=float, default=20.0)
     ap.add_argument("--think-s", type=float, default=1.5, help="median think (generation) time per lease")
     ap.add_argument("--think-sigma", type=float, default=0.5)
@@ -57,11 +72,15 @@ def main() -> int:
     if args.quick:
         args.measure_s, args.settle_s = 10.0, 2.0
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    sys.path.insert(0, str(HERE.parents[1] / "tests"))
+    import support
+
+    support.make_coordinator_dir = make_proven_fleet_dir(support.make_coordinator_dir)
     root = Path(tempfile.mkdtemp(prefix="veriroll-bench-plan-"))
     points = []
     try:
         for n in [int(x) for x in args.scales.split(",") if x.strip()]:
-            s = run_scale(n, args, root)
+            s = scale.run_scale(n, args, root)
             predicted = predicted_groups_per_s(n, args)
             measured = s["submissions_per_s"]
             error = (predicted - measured) / measured if measured else None

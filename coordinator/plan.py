@@ -4,7 +4,8 @@ The throughput bookkeeping of a run, made executable. The fleet offers groups at
 generate them; every other part must carry that rate:
 
     groups_per_s      = nodes * node_tokens_per_s / (group_size * tokens_per_sample)   (offered)
-    edge processes    = groups_per_s * edge_s_per_group / utilization
+    edge processes    = (groups_per_s * edge_s_per_group + nodes / heartbeat_s * edge_s_per_heartbeat)
+                        / utilization
     store writes      = groups_per_s * store_writes_per_group, grouped into commits of one durable write each
     verifier devices  = groups_per_s * group_size * (prompt + tokens) * audit_fraction * verify_s_per_token
                         / utilization,   verify_s_per_token = 2 * params / device_flops (a prefill)
@@ -41,10 +42,13 @@ class UnitCost:
 
 DEFAULT_COSTS: dict[str, UnitCost] = {
     "edge_s_per_group": UnitCost(
-        0.010, "CPU s per accepted group (8x64 tokens), its lease and heartbeats included",
-        "benchmarks/scale.py: one coordinator process (TLS, SQLite group commit, verification off) saturates at "
-        "85-100 accepted groups/s, GIL-bound; benchmarks/intake.py without heartbeats holds 310-380 groups/s "
-        "(~3 ms of submit path alone)", True),
+        0.0037, "CPU s per accepted group (8x64 tokens) and its lease, heartbeats apart",
+        "benchmarks/plan_check.py (scale.py's fleet, probation lifted, TLS, SQLite group commit, verification off): "
+        "4.0-4.7 ms of coordinator CPU per accepted group at 0.34 heartbeats per group, 236 groups/s on 0.95 cores "
+        "at 400 nodes; less 0.34 heartbeats at edge_s_per_heartbeat", True),
+    "edge_s_per_heartbeat": UnitCost(
+        0.001, "CPU s per Heartbeat call", "assumption: one signed unary call with a small body (a third of a "
+        "group's lease + submit cost without the payload)", False),
     "edge_s_per_token": UnitCost(
         2e-7, "CPU s per sampled token on the wire (TLS, protobuf parse, shape checks)",
         "assumption: ~15 bytes per token (token id, fp32 log-prob, TOPLOC proof share) at ~75 MB/s of TLS + "
@@ -104,6 +108,7 @@ class Workload:
     prompt_tokens: int = 256
     node_tokens_per_s: float | None = None  # None: from the node's memory bandwidth and the weight bytes
     publish_every_s: float = 60.0
+    heartbeat_s: float = 10.0  # the node's default heartbeat period
     deltas: bool = True
     verifier_device: str = "gpu"
     utilization: float = 0.8
@@ -146,6 +151,7 @@ def validate(w: Workload, costs: dict[str, UnitCost]) -> None:
     positive("--tokens-per-sample", w.tokens_per_sample)
     positive("--group-size", w.group_size)
     positive("--publish-every-s", w.publish_every_s)
+    positive("--heartbeat-s", w.heartbeat_s)
     if w.node_tokens_per_s is not None:
         positive("--node-tokens-per-s", w.node_tokens_per_s)
     _require(math.isfinite(w.prompt_tokens) and w.prompt_tokens >= 0, f"--prompt-tokens must be >= 0, got {w.prompt_tokens!r}")
@@ -201,7 +207,9 @@ def plan(w: Workload, costs: dict[str, UnitCost] | None = None) -> dict:
     groups_per_s = w.nodes / generation_s
 
     edge_s = c["edge_s_per_group"] + c["edge_s_per_token"] * max(0.0, group_tokens - c["edge_reference_tokens"])
-    edge_cores = groups_per_s * edge_s
+    # Heartbeats scale with the fleet, not with its output.
+    heartbeat_cores = w.nodes / w.heartbeat_s * c["edge_s_per_heartbeat"]
+    edge_cores = groups_per_s * edge_s + heartbeat_cores
     writes_per_s = groups_per_s * c["store_writes_per_group"]
     # Group commit: one durable commit at a time, each carrying every write that arrived meanwhile.
     commits_per_s = min(writes_per_s, 1.0 / c["store_commit_s"])
@@ -230,7 +238,9 @@ def plan(w: Workload, costs: dict[str, UnitCost] | None = None) -> dict:
         "generation_s_per_group": generation_s,
         "edge_cpu_s_per_group": edge_s,
         "edge_processes": devices(edge_cores),
-        "groups_per_s_per_edge": 1.0 / edge_s,
+        # What one edge process holds when it alone serves the fleet: its core less the heartbeats.
+        "groups_per_s_one_edge": max(0.0, 1.0 - heartbeat_cores) / edge_s,
+        "heartbeat_cores": heartbeat_cores,
         "store_writes_per_s": writes_per_s,
         "store_commits_per_s": commits_per_s,
         "store_writes_per_commit": writes_per_s / commits_per_s,
@@ -262,7 +272,7 @@ def render(w: Workload, p: dict, costs: dict[str, UnitCost]) -> str:
         + ("" if p["weights_fit_node_gpu"] else "; the weights do not fit one volunteer GPU: nodes need a "
            "quantized or multi-GPU engine, and --node-tokens-per-s should say what they reach"),
         f"edge processes: {p['edge_processes']} ({p['edge_cpu_s_per_group'] * 1000:.1f} ms CPU per group, "
-        f"{w.utilization:.0%} target utilization)",
+        f"{p['heartbeat_cores']:.2f} cores of heartbeats, {w.utilization:.0%} target utilization)",
         f"store: {p['store_writes_per_s']:.1f} writes/s in {p['store_commits_per_s']:.1f} transactions/s with group "
         f"commit ({p['store_writes_per_commit']:.1f} writes per commit, writer {p['store_writer_busy']:.0%} busy)",
         f"verifier {w.verifier_device}s: {p['verifier_devices']} ({p['audited_tokens_per_s']:.0f} audited tokens/s, "
@@ -281,6 +291,7 @@ def cmd_plan(args) -> int:
     w = Workload(model_params=args.model_params, nodes=args.nodes, tokens_per_sample=args.tokens_per_sample,
                  group_size=args.group_size, audit_fraction=args.audit_fraction, prompt_tokens=args.prompt_tokens,
                  node_tokens_per_s=args.node_tokens_per_s, publish_every_s=args.publish_every_s,
+                 heartbeat_s=args.heartbeat_s,
                  deltas=not args.no_deltas, verifier_device=args.verifier_device, utilization=args.utilization)
     try:
         costs = load_costs(args.costs)
@@ -307,6 +318,7 @@ def register(subparsers) -> None:
     p.add_argument("--node-tokens-per-s", type=float, default=None,
                    help="generated tokens/s per node (default: bandwidth-bound decoding on a 24 GB consumer GPU)")
     p.add_argument("--publish-every-s", type=float, default=60.0, help="seconds between published versions")
+    p.add_argument("--heartbeat-s", type=float, default=10.0, help="node heartbeat period (node default 10 s)")
     p.add_argument("--no-deltas", action="store_true", help="ship whole versions instead of deltas")
     p.add_argument("--verifier-device", default="gpu", help="gpu or cpu")
     p.add_argument("--utilization", type=float, default=0.8, help="target busy share of every process and device")

@@ -155,3 +155,13 @@ def test_malformed_costs_file_is_refused(tmp_path, content, message):
     path.write_text(content)
     with pytest.raises(PlanError, match=message.replace("[", r"\[").replace("(", r"\(")):
         load_costs(path)
+
+
+def test_heartbeats_cost_edge_cpu_per_node_not_per_group():
+    costs = costs_with(edge_s_per_group=0.005, edge_reference_tokens=100, edge_s_per_heartbeat=0.002)
+    p = plan(small_workload(heartbeat_s=1.0), costs)
+    # 100 nodes beating once a second at 2 ms: 0.2 cores; 100 groups/s at 5 ms: 0.5 cores.
+    assert p["heartbeat_cores"] == pytest.approx(0.2)
+    assert p["groups_per_s_one_edge"] == pytest.approx(0.8 / 0.005)
+    assert p["edge_processes"] == 1  # 0.7 cores at 80%
+    assert plan(small_workload(heartbeat_s=0.5), costs)["edge_processes"] == 2  # 0.9 cores
