@@ -6,14 +6,16 @@ generate them; every other part must carry that rate:
     groups_per_s      = nodes * node_tokens_per_s / (group_size * tokens_per_sample)   (offered)
     edge processes    = (groups_per_s * edge_s_per_group + nodes / heartbeat_s * edge_s_per_heartbeat)
                         / utilization
-    store writes      = groups_per_s * store_writes_per_group, grouped into commits of one durable write each
+    store writes      = groups_per_s * store_writes_per_group, carried by group commit in at most
+                        1 / store_commit_s durable transactions/s
     verifier devices  = groups_per_s * group_size * (prompt + tokens) * audit_fraction * verify_s_per_token
                         / utilization,   verify_s_per_token = 2 * params / device_flops (a prefill)
     trainer devices   = groups_per_s * group_size * (prompt + tokens) * 8 * params / gpu_flops / utilization
     broadcast to 95%  = S / r + (depth - 1) * shard / r,  S = params * bytes_per_param (* delta_ratio),
                         r = min(relay_upload / fanout, node_download), depth = ceil(log_fanout(0.95 * nodes))
     staleness         = publishes during the span a group's policy is old for: T = generation + broadcast;
-                        with T = m * P + r (0 <= r < P), P(k = m) = 1 - r/P and P(k = m + 1) = r/P
+                        with T = m * P + r (0 <= r < P), P(k = m) = 1 - r/P and P(k = m + 1) = r/P;
+                        groups with k > s_max are refused as stale
 
 Each unit cost carries its source and whether it was measured on the 2-core development machine or
 is an assumption; ``--costs FILE`` (JSON, ``{"name": value}`` or ``{"name": {"value": ...}}``)
@@ -109,6 +111,7 @@ class Workload:
     node_tokens_per_s: float | None = None  # None: from the node's memory bandwidth and the weight bytes
     publish_every_s: float = 60.0
     heartbeat_s: float = 10.0  # the node's default heartbeat period
+    s_max: int = 2  # intake.s_max: groups more versions old than this are refused as stale
     deltas: bool = True
     verifier_device: str = "gpu"
     utilization: float = 0.8
@@ -152,6 +155,7 @@ def validate(w: Workload, costs: dict[str, UnitCost]) -> None:
     positive("--group-size", w.group_size)
     positive("--publish-every-s", w.publish_every_s)
     positive("--heartbeat-s", w.heartbeat_s)
+    _require(w.s_max >= 0, f"--s-max must be >= 0, got {w.s_max!r}")
     if w.node_tokens_per_s is not None:
         positive("--node-tokens-per-s", w.node_tokens_per_s)
     _require(math.isfinite(w.prompt_tokens) and w.prompt_tokens >= 0, f"--prompt-tokens must be >= 0, got {w.prompt_tokens!r}")
@@ -258,6 +262,7 @@ def plan(w: Workload, costs: dict[str, UnitCost] | None = None) -> dict:
         "staleness_span_s": generation_s + broadcast_s,
         "staleness": {str(k): p for k, p in sorted(staleness.items())},
         "mean_staleness": sum(k * p for k, p in staleness.items()),
+        "stale_refused_share": sum(p for k, p in staleness.items() if k > w.s_max),
     }
 
 
@@ -281,7 +286,8 @@ def render(w: Workload, p: dict, costs: dict[str, UnitCost]) -> str:
         f"broadcast: {p['version_bytes'] / 1e6:.0f} MB per version{' (delta)' if w.deltas else ''}, "
         f"{p['broadcast_s_to_95pct']:.0f} s to 95% of nodes through {p['relays']} relays, depth {p['relay_depth']}",
         f"staleness at one version every {w.publish_every_s:g} s (policy ages {p['staleness_span_s']:.0f} s "
-        f"per group): {stale}; mean {p['mean_staleness']:.2f}",
+        f"per group): {stale}; mean {p['mean_staleness']:.2f}; {p['stale_refused_share']:.0%} refused as stale "
+        f"(s_max {w.s_max})",
         "assumed, not measured here: " + ", ".join(n for n, c in costs.items() if not c.measured),
     ]
     return "\n".join(lines)
@@ -291,7 +297,7 @@ def cmd_plan(args) -> int:
     w = Workload(model_params=args.model_params, nodes=args.nodes, tokens_per_sample=args.tokens_per_sample,
                  group_size=args.group_size, audit_fraction=args.audit_fraction, prompt_tokens=args.prompt_tokens,
                  node_tokens_per_s=args.node_tokens_per_s, publish_every_s=args.publish_every_s,
-                 heartbeat_s=args.heartbeat_s,
+                 heartbeat_s=args.heartbeat_s, s_max=args.s_max,
                  deltas=not args.no_deltas, verifier_device=args.verifier_device, utilization=args.utilization)
     try:
         costs = load_costs(args.costs)
@@ -319,6 +325,8 @@ def register(subparsers) -> None:
                    help="generated tokens/s per node (default: bandwidth-bound decoding on a 24 GB consumer GPU)")
     p.add_argument("--publish-every-s", type=float, default=60.0, help="seconds between published versions")
     p.add_argument("--heartbeat-s", type=float, default=10.0, help="node heartbeat period (node default 10 s)")
+    p.add_argument("--s-max", type=int, default=2, help="intake.s_max: versions a group may lag before it is "
+                                                          "refused as stale")
     p.add_argument("--no-deltas", action="store_true", help="ship whole versions instead of deltas")
     p.add_argument("--verifier-device", default="gpu", help="gpu or cpu")
     p.add_argument("--utilization", type=float, default=0.8, help="target busy share of every process and device")

@@ -127,6 +127,8 @@ def test_costs_file_replaces_a_default(tmp_path, capsys):
     ("--publish-every-s", "0", "--publish-every-s must be > 0"),
     ("--node-tokens-per-s", "nan", "--node-tokens-per-s must be > 0"),
     ("--verifier-device", "tpu", "--verifier-device must be gpu or cpu"),
+    ("--utilization", "0", "--utilization must be within (0, 1]"),
+    ("--s-max", "-1", "--s-max must be >= 0"),
 ])
 def test_bad_input_is_refused_with_its_name(flag, value, message, capsys):
     args = ["plan", "--model-params", "7e9", "--nodes", "10", "--tokens-per-sample", "64", "--group-size", "8"]
@@ -165,3 +167,15 @@ def test_heartbeats_cost_edge_cpu_per_node_not_per_group():
     assert p["groups_per_s_one_edge"] == pytest.approx(0.8 / 0.005)
     assert p["edge_processes"] == 1  # 0.7 cores at 80%
     assert plan(small_workload(heartbeat_s=0.5), costs)["edge_processes"] == 2  # 0.9 cores
+
+
+def test_groups_older_than_s_max_are_counted_as_refused():
+    # 1 s of generation plus a broadcast of 1e10 bytes (5 nodes: one level) at min(1e9 / 10, 1e9) = 1e8 B/s:
+    # 101 s; one version every 60 s: P(1) = 19/60, P(2) = 41/60.
+    costs = costs_with(relay_upload_bytes_per_s=1e9, relay_fanout=10, node_download_bytes_per_s=1e9,
+                       bytes_per_param=2, delta_ratio=0.05, shard_bytes=1)
+    p = plan(small_workload(nodes=5), costs)
+    assert p["staleness_span_s"] == pytest.approx(101.0)
+    assert p["staleness"] == {"1": pytest.approx(19 / 60), "2": pytest.approx(41 / 60)}
+    assert p["stale_refused_share"] == pytest.approx(0.0)
+    assert plan(small_workload(nodes=5, s_max=1), costs)["stale_refused_share"] == pytest.approx(41 / 60)
