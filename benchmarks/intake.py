@@ -24,6 +24,8 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from scale import PROVEN_FLEET
 
 ECHO_SERVER = r'''
 import asyncio, sys, grpc
@@ -134,6 +136,7 @@ def main() -> int:
         "leases.group_size": 8, "leases.max_new_tokens": 64, "leases.queue_maxsize": 10**9,
         "leases.max_open_per_node": 4, "leases.ttl_s": 600, "server.key_rate_per_s": 1e6, "server.key_burst": 1e6,
         "server.peer_rate_per_s": 1e6, "server.peer_burst": 1e6, "intake.verify": False,
+        **PROVEN_FLEET, "leases.probation_max_open": 4,
     })
     ca = (base / "tls" / "ca.crt").read_bytes()
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")

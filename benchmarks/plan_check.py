@@ -31,20 +31,6 @@ import scale  # noqa: E402  (benchmarks/ is not a package: scale.py is imported 
 
 from veriroll.coordinator.plan import Workload, plan  # noqa: E402
 
-# Every simulated key is new, so the probation caps (16 open leases for all probation nodes together,
-# 240 leases per node-hour) would be what this measures, not the coordinator: lift them, as a fleet of
-# proven nodes would.
-PROVEN_FLEET = {"leases.probation_share": 1.0, "leases.probation_floor": 10**6, "leases.probation_max_open": 2,
-                "leases.probation_leases_per_hour": 1e9, "leases.probation_lease_burst": 1e6,
-                "intake.probation_groups": 0}
-
-
-def make_proven_fleet_dir(make_dir):
-    """``make_coordinator_dir`` with the probation caps lifted (scale.run_scale calls it by name)."""
-    def make(root, overrides=None, **kwargs):
-        return make_dir(root, {**(overrides or {}), **PROVEN_FLEET}, **kwargs)
-    return make
-
 
 def predicted_groups_per_s(nodes: int, args) -> float:
     """What the planner expects one edge process to hold for this simulated fleet."""
@@ -73,9 +59,6 @@ def main() -> int:
         args.measure_s, args.settle_s = 10.0, 2.0
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     sys.path.insert(0, str(HERE.parents[1] / "tests"))
-    import support
-
-    support.make_coordinator_dir = make_proven_fleet_dir(support.make_coordinator_dir)
     root = Path(tempfile.mkdtemp(prefix="veriroll-bench-plan-"))
     points = []
     try:

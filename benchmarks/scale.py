@@ -45,6 +45,12 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve()
 METHODS = ("Register", "Heartbeat", "LeaseWork", "SubmitGroup")
+# Every simulated key is new, so the probation caps (16 open leases for all probation nodes together, 240
+# leases per node-hour) would be what a fleet benchmark measures, not the coordinator: they are lifted, as
+# for a fleet of proven nodes. (benchmarks/abuse.py measures the caps themselves.)
+PROVEN_FLEET = {"leases.probation_share": 1.0, "leases.probation_floor": 10**6, "leases.probation_max_open": 2,
+                "leases.probation_leases_per_hour": 1e9, "leases.probation_lease_burst": 1e6,
+                "intake.probation_groups": 0}
 
 
 # --- the simulated nodes (client processes) -------------------------------------------------------
@@ -301,7 +307,7 @@ def run_scale(nodes: int, args, root: Path) -> dict:
         "leases.group_size": args.group_size, "leases.max_new_tokens": args.tokens, "leases.queue_maxsize": 10**9,
         "leases.ttl_s": 120, "leases.max_open_per_node": 2, "intake.verify": False, "trainer.enabled": False,
         "server.key_rate_per_s": 1000.0, "server.key_burst": 1000.0, "server.peer_rate_per_s": 1e6,
-        "server.peer_burst": 1e6, "server.max_concurrent_rpcs": 16384,
+        "server.peer_burst": 1e6, "server.max_concurrent_rpcs": 16384, **PROVEN_FLEET,
     })
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     veriroll = str(Path(sys.executable).parent / "veriroll")
