@@ -47,7 +47,8 @@ async def start_publisher(coord, key: PrivateKey) -> None:
             older = [v for v in list_versions(store) if v < version]
             # Hard links, not copies: installed versions are never modified in place.
             result = await asyncio.to_thread(publish_checkpoint, src, store, key, version, shard_size=cfg.shard_bytes,
-                                             keep=cfg.keep_versions, link=True, delta_from=older[-1] if older else None)
+                                             keep=cfg.keep_versions, link=True,
+                                             delta_from=older[-1] if older and cfg.deltas else None)
             relay.refresh(force=True)
             coord.service.policy.manifest_path = f"/versions/{version}/manifest"
             # Edge processes (role 'edge') read where the version is announced from the store.

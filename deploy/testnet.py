@@ -76,6 +76,8 @@ class Testnet:
                 # Every node of the local testnet connects from loopback: one address, many identities.
                 "identity.exempt_networks": json.dumps(["127.0.0.0/8", "::1/128"]),
                 "shardcast.max_transfers_per_address": 0, "shardcast.max_connections_per_address": 0,
+                # Loopback bandwidth is free: a delta would cost the publisher seconds and save nothing.
+                "shardcast.deltas": "false",
                 **self.cfg.coordinator}
         args = [self.veriroll, "coordinator", "init", "--dir", str(self.coord_dir), "--preset", self.cfg.preset, "--json"]
         for k, v in sets.items():
