@@ -137,15 +137,16 @@ def _ip(address: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
     return ip
 
 
-def prefix_of(address: str, *, v4: int = 24, v6: int = 64) -> str:
+def prefix_of(address: str, *, v4: int = 24, v6: int = 64, unparsed: str | None = UNPARSED) -> str:
     """The network ``address`` belongs to for the per-prefix budget: ``1.2.3.0/24``, ``2001:db8::/64``.
 
     IPv4-mapped IPv6 counts as its IPv4. Anything that is not an IP address (``unknown``, ``unix:...``)
-    gets :data:`UNPARSED`: all such peers share one budget rather than escaping the limit.
+    gets ``unparsed`` (default :data:`UNPARSED`: all such peers share one budget rather than escaping the
+    limit; None: the address itself).
     """
     ip = _ip(address)
     if ip is None:
-        return UNPARSED
+        return address if unparsed is None else unparsed
     return str(ipaddress.ip_network((ip, v4 if ip.version == 4 else v6), strict=False))
 
 

@@ -17,12 +17,12 @@ verifications admitted while it still had time left.
 
 from __future__ import annotations
 
-import ipaddress
 import math
 import time
 from collections import OrderedDict
 from collections.abc import Callable
 
+from veriroll.coordinator.admission import prefix_of
 from veriroll.coordinator.intake import Rejection
 from veriroll.protos.reasons import Reason
 
@@ -38,14 +38,7 @@ def network_prefix(address: str) -> str:
     One subscriber or one cloud tenant usually holds a whole IPv6 /64 and often several addresses of
     one IPv4 /24, so new addresses there are cheap for an attacker; the prefix bounds them together.
     """
-    try:
-        ip = ipaddress.ip_address(address)
-    except ValueError:
-        return address
-    if ip.version == 6 and ip.ipv4_mapped is not None:
-        ip = ip.ipv4_mapped
-    bits = 24 if ip.version == 4 else 64
-    return str(ipaddress.ip_network(f"{ip}/{bits}", strict=False))
+    return prefix_of(address, unparsed=None)
 
 
 class _Buckets:

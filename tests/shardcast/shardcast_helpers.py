@@ -221,3 +221,13 @@ def can_mount_tmpfs() -> bool:
         capture_output=True,
     )
     return probe.returncode == 0
+
+
+async def until(predicate, what: str, *, tries: int = 600, pause: float = 0.05):
+    """Poll ``await predicate()`` until it is truthy (a guard against hanging, not a time limit)."""
+    for _ in range(tries):
+        value = await predicate()
+        if value:
+            return value
+        await asyncio.sleep(pause)
+    raise AssertionError(f"never happened: {what}")

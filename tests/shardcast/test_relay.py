@@ -20,6 +20,7 @@ from shardcast_helpers import (
     copy_store,
     make_checkpoint,
     same_tree,
+    until,
 )
 
 from veriroll.shardcast import fetch as fetch_mod
@@ -42,16 +43,6 @@ async def get_json(url: str) -> dict:
     async with aiohttp.ClientSession() as s, s.get(url) as r:
         assert r.status == 200
         return await r.json()
-
-
-async def until(predicate, what: str, *, tries: int = 600, pause: float = 0.05):
-    """Poll ``await predicate()`` until it is truthy (a guard against hanging, not a time limit)."""
-    for _ in range(tries):
-        value = await predicate()
-        if value:
-            return value
-        await asyncio.sleep(pause)
-    raise AssertionError(f"never happened: {what}")
 
 
 def test_status_lists_versions_and_load(store, coord_key):

@@ -18,7 +18,7 @@ import time
 
 import aiohttp
 import pytest
-from shardcast_helpers import REPO, FakeRelay, free_port, make_checkpoint
+from shardcast_helpers import REPO, FakeRelay, free_port, make_checkpoint, until
 
 from veriroll.shardcast.fetch import fetch_version
 from veriroll.shardcast.publish import publish_checkpoint
@@ -53,16 +53,6 @@ async def status_of(relay_url: str) -> dict:
     async with session_from(OTHER_ADDRESS) as s, s.get(f"{relay_url}/status") as r:
         assert r.status == 200
         return await r.json()
-
-
-async def until(predicate, what: str, *, tries: int = 600, pause: float = 0.05):
-    """Poll ``await predicate()`` until it is truthy (a guard against hanging, not a time limit)."""
-    for _ in range(tries):
-        value = await predicate()
-        if value:
-            return value
-        await asyncio.sleep(pause)
-    raise AssertionError(f"never happened: {what}")
 
 
 async def stalled_download(port: int, path: str = BIG_FILE, *, source: str = "127.0.0.1") -> socket.socket:
