@@ -130,3 +130,30 @@ def test_a_whole_coordinator_runs_on_postgres(pg_url, tmp_path):
     assert summary["accepted_groups"] == 2 and summary["trainer_step"] == 1, (summary, time.perf_counter() - started)
     assert summary["rejections_by_reason"] == {"wrong_group_size": 2} and metric == 2
     assert summary["unconsumed_groups"] == 0 and version == 1 and summary["policy_version"] == 1
+
+
+def test_both_backends_have_the_same_tables_and_columns(tmp_path, pg_url):
+    """A column added to one schema and not the other fails here, not on an operator's PostgreSQL."""
+    lite = st.connect(tmp_path / "state.db")
+    sqlite_columns = {(t, r["name"]) for t in ("nodes", "prompts", "leases", "groups", "samples", "rejections",
+                                              "rejection_counts", "kv", "counters", "nonces")
+                      for r in lite.execute(f"PRAGMA table_info({t})")}
+    pg = st.connect(pg_url)
+    pg_columns = {(r[0], r[1]) for r in pg.execute(
+        "SELECT table_name, column_name FROM information_schema.columns WHERE table_schema = 'public'")}
+    assert pg_columns == sqlite_columns
+
+
+def test_one_live_session_per_key_on_postgres(pg_url):
+    db = st.Database(pg_url)
+    key = PrivateKey.generate().public
+    first, second = st.Session("a" * 32, "10.0.0.1"), st.Session("b" * 32, "10.0.0.2")
+
+    def script(conn):
+        st.register_node(conn, key.node_id, key.raw, 0, {}, "1", "")
+        st.touch_node(conn, key.node_id, 1_000, 0, first)
+        return st.other_live_session(conn, key.node_id, second, 2_000, 30_000)
+
+    live = db.run_sync(script)
+    db.close()
+    assert live is not None and live.address == "10.0.0.1"
