@@ -114,6 +114,7 @@ class Coordinator:
     server: object = None
     stopped: asyncio.Event = field(default_factory=asyncio.Event)
     lock: DirectoryLock | None = None
+    verifier_pool: object = None  # a verifier_pool.VerifierPool when this process runs workers of the pool
 
     @property
     def address(self) -> str:
@@ -178,7 +179,7 @@ def build_verifier(cfg: CoordinatorConfig, policy_store: PolicyStore):
         log.warning("verification is OFF by configuration (intake.verify = false): submitted groups are checked "
                     "for shape only; never run an open network like this")
         return None
-    return TrustedVerifier(policy_store, cfg)
+    return TrustedVerifier(policy_store, cfg, device=cfg.verifier.device)
 
 
 def verification_state(cfg: CoordinatorConfig) -> str:
@@ -189,9 +190,9 @@ def verification_state(cfg: CoordinatorConfig) -> str:
 async def start_coordinator(base_dir: str | Path, *, overrides=(), cfg: CoordinatorConfig | None = None) -> Coordinator:
     base = Path(base_dir).resolve()
     cfg = cfg or load_coordinator_config(base, overrides)
-    # Before anything is opened or bound: a second coordinator (or trainer) on DIR stops here. Edge
-    # processes are meant to run several on one DIR (role 'edge', a shared PostgreSQL store): no lock.
-    lock = DirectoryLock(base) if cfg.role != "edge" else None
+    # Before anything is opened or bound: a second coordinator (or trainer) on DIR stops here. Edge and
+    # verifier processes are meant to run several on one DIR (a shared PostgreSQL store): no lock.
+    lock = DirectoryLock(base) if cfg.role not in ("edge", "verifier") else None
     if lock is not None:
         lock.acquire()
     try:
@@ -233,17 +234,20 @@ async def _start(base: Path, cfg: CoordinatorConfig, lock: DirectoryLock | None)
 async def _start_parts(coord: Coordinator, key) -> None:
     """The parts of ``cfg.role``: 'all' runs every part in this process; 'edge' the gRPC and HTTP ports and
     the intake (the trainer and the publisher run elsewhere, against the same PostgreSQL store); 'trainer'
-    the trainer and the publisher with its origin relay."""
+    the trainer and the publisher with its origin relay; 'verifier' workers of the verifier pool (and HTTP
+    for its metrics)."""
     cfg, base = coord.cfg, coord.base_dir
     role = cfg.role
     if role != "all" and not st.store_pg.is_url(str(cfg.database)):
         raise ConfigError(f"role {role!r} shares its state with other processes: set database to a postgresql:// URL")
+    if role == "verifier" and coord.service.verifier is None:
+        raise ConfigError("role 'verifier' runs the verification stages: it cannot run with intake.verify = false")
     # Publisher and origin relay (shardcast) first, so GetPolicy can name them from the first call.
     host = cfg.server.host
-    if cfg.shardcast.origin_port >= 0 and role != "edge":
+    if cfg.shardcast.origin_port >= 0 and role in ("all", "trainer"):
         await _listening("the origin relay", "shardcast.origin_port", host, cfg.shardcast.origin_port,
                          start_publisher(coord, key))
-    if role != "trainer":
+    if role in ("all", "edge"):
         tls = None
         if cfg.server.tls:
             tls = read_tls(resolve_path(base, cfg.server.tls_cert), resolve_path(base, cfg.server.tls_key))
@@ -254,12 +258,20 @@ async def _start_parts(coord: Coordinator, key) -> None:
     if role == "edge":
         # The trainer of another process moves the policy on; this edge follows what the store says.
         coord.tasks.append(asyncio.create_task(_follow_policy(coord), name="veriroll-follow-policy"))
-    if cfg.trainer.enabled and role != "edge":
+    if role in ("all", "edge") and cfg.verifier.pool and coord.service.verifier is not None:
+        from veriroll.coordinator.verifier_pool import VerdictWaiter
+
+        coord.service.intake.use_verifier_pool(VerdictWaiter(coord.db, wait_s=cfg.verifier.wait_s,
+                                                             clock=coord.service.clock))
+    if role == "verifier" or (role == "all" and cfg.verifier.pool and coord.service.verifier is not None):
+        _start_verifier_pool(coord)
+    if cfg.trainer.enabled and role in ("all", "trainer"):
         # Imported here (unconditionally when enabled) only because it is heavy; an ImportError propagates.
         from veriroll.coordinator.trainer import start_trainer
 
         await start_trainer(coord)
-    coord.tasks.append(asyncio.create_task(_housekeeping(coord)))
+    if role != "verifier":
+        coord.tasks.append(asyncio.create_task(_housekeeping(coord)))
     coord.tasks.append(asyncio.create_task(_release_memory_forever(), name="veriroll-release-memory"))
     ports = {"grpc": coord.grpc_port, "http": coord.http_port, "pid": os.getpid()}
     origin = getattr(coord, "origin_url", None)
@@ -271,6 +283,21 @@ async def _start_parts(coord: Coordinator, key) -> None:
     log.info("coordinator (role %s) serving on %s (%s), policy version %d, verification %s", role,
              coord.address if coord.server is not None else "no gRPC port", "TLS" if cfg.server.tls else "plaintext",
              coord.service.policy.version, verification_state(cfg))
+
+
+def _start_verifier_pool(coord: Coordinator) -> None:
+    """``verifier.workers`` worker loops of the verifier pool in this process (docs/scaling.md)."""
+    from veriroll.coordinator.verifier_pool import VerifierPool
+
+    cfg = coord.cfg
+    pool = VerifierPool(coord.db, coord.service.verifier, workers=cfg.verifier.workers,
+                        claim_timeout_s=cfg.verifier.claim_timeout_s, keep_verdicts_s=cfg.leases.ttl_s,
+                        metrics=coord.service.metrics)
+    coord.tasks.extend(pool.start())
+    coord.closers.append(pool.close)
+    coord.verifier_pool = pool
+    log.info("verifier pool: %d worker(s) in this process, claims held %g s", cfg.verifier.workers,
+             cfg.verifier.claim_timeout_s)
 
 
 async def _follow_policy(coord: Coordinator, every_s: float = 1.0) -> None:

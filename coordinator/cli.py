@@ -399,8 +399,8 @@ def register(subparsers) -> None:
 
     q = sub.add_parser("run", help="serve the coordinator in DIR")
     q.add_argument("--dir", required=True)
-    q.add_argument("--role", choices=("all", "edge", "trainer"), help="what this process runs (config key role; "
-                   "edge and trainer share a postgresql:// database with the others)")
+    q.add_argument("--role", choices=("all", "edge", "trainer", "verifier"), help="what this process runs (config "
+                   "key role; edge, trainer and verifier share a postgresql:// database with the others)")
     q.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override")
     q.add_argument("--log-level", default="info")
     q.set_defaults(func=cmd_run)

@@ -198,10 +198,30 @@ class ShardcastConfig(_Section):
                          "(the local testnet on loopback)")
 
 
+class VerifierConfig(_Section):
+    """Where audited groups are verified (docs/scaling.md, "Verifier pool")."""
+
+    pool: bool = Field(False, description="hand audited groups to verifier workers through the store instead of "
+                       "verifying them in this process: edges queue each group and answer the node once a worker wrote "
+                       "the verdict; run workers with `coordinator run --role verifier` (or `workers` in a role 'all' "
+                       "process). Off: every edge verifies in-process (one process, SQLite)")
+    workers: int = Field(1, ge=0, description="worker loops in a role 'verifier' process (and in a role 'all' process "
+                         "with pool on), each verifying one group at a time")
+    claim_timeout_s: float = Field(60.0, gt=0, description="a worker holds a claimed group this long; a worker killed "
+                                   "mid-group loses it then to another (keep it well under leases.ttl_s)")
+    device: str = Field("cpu", description="torch device of the trusted model (cpu, cuda, cuda:1, ...) in every process "
+                        "that verifies")
+    wait_s: float = Field(15.0, gt=0, description="an edge waits this long for a verdict, then refuses the group "
+                          "'unavailable' (retryable, the lease kept): the node's retry of the same group finds the "
+                          "verdict instead of queueing it again")
+
+
 class CoordinatorConfig(_Section):
-    role: str = Field("all", pattern="^(all|edge|trainer)$", description="what this process runs: 'all' (one process: "
-                      "edge, verification, trainer, origin relay), 'edge' (gRPC and HTTP, intake with verification; "
-                      "several share a PostgreSQL store and their ports), 'trainer' (trainer and origin relay)")
+    role: str = Field("all", pattern="^(all|edge|trainer|verifier)$", description="what this process runs: 'all' (one "
+                      "process: edge, verification, trainer, origin relay), 'edge' (gRPC and HTTP, intake with "
+                      "verification, or with verifier.pool the verdicts of the pool; several share a PostgreSQL store "
+                      "and their ports), 'trainer' (trainer and origin relay), 'verifier' (verifier.workers workers of "
+                      "the pool, no gRPC port)")
     key: str = Field("coordinator.key", description="coordinator Ed25519 private key (signs manifests)")
     database: str = Field("state.db", description="the store of nodes, leases, groups and the ledger: a SQLite file (one process, zero set-up) or a postgresql:// URL (psycopg 3; pip install 'veriroll[postgres]')")
     checkpoints: str = Field("checkpoints", description="directory of policy versions (HF format) and trainer state")
@@ -216,3 +236,5 @@ class CoordinatorConfig(_Section):
                                      "work and new keys per address and network per hour")
     trainer: TrainerConfig = Field(default_factory=TrainerConfig, description="the asynchronous off-policy trainer")
     shardcast: ShardcastConfig = Field(default_factory=ShardcastConfig, description="weight broadcast: store and relays")
+    verifier: VerifierConfig = Field(default_factory=VerifierConfig, description="in-process verification or the "
+                                     "verifier pool")

@@ -222,8 +222,10 @@ def sample_blobs(sub: Submission) -> list[tuple[bytes, bytes, bytes | None, str]
 
 
 # Refusals that leave the lease as it was: not this node's or already closed, or (rate_limited: the
-# verifier budget) not judged at all, so the node may submit the same group again while the lease lasts.
-_KEEPS_THE_LEASE = frozenset({Reason.LEASE_EXPIRED, Reason.LEASE_USED, Reason.LEASE_UNKNOWN, Reason.RATE_LIMITED})
+# verifier budget; unavailable: no verdict from the verifier pool in time) not judged yet, so the node may
+# submit the same group again while the lease lasts.
+_KEEPS_THE_LEASE = frozenset({Reason.LEASE_EXPIRED, Reason.LEASE_USED, Reason.LEASE_UNKNOWN, Reason.RATE_LIMITED,
+                              Reason.UNAVAILABLE})
 
 
 class Intake:
@@ -251,6 +253,12 @@ class Intake:
         self._stop_ids = np.asarray(stop_token_ids, dtype=np.int64)
         self._audit_rng = random.Random()
         self._verify_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="veriroll-verify")
+        self.verdicts = None  # a verifier_pool.VerdictWaiter once verification is handed to the pool
+
+    def use_verifier_pool(self, verdicts) -> None:
+        """Verify audited groups in the verifier pool (``verifier.pool``): queue them in the store and await the
+        verdict of a worker (a ``verifier_pool.VerdictWaiter``), instead of running the model in this process."""
+        self.verdicts = verdicts
 
     async def submit_group(self, node: NodeInfo, req: pb.SubmitGroupRequest, *,
                            peer: str = "unknown") -> pb.SubmitGroupResponse:
@@ -271,7 +279,7 @@ class Intake:
             # while its key, address and network have verifier time left this minute.
             rejection = self.verify_budget.reserve(node.node_id, peer) if self.verify_budget is not None else None
             if rejection is None:
-                rejection, trusted = await self._verify(lease, prompt, sub, node, peer)
+                rejection, trusted = await self._verify(lease, prompt, sub, node, peer, digest, req)
                 verified = rejection is None
                 if trusted is not None:
                     packed = [(tok, lp, st.pack_f32(t), fin) for (tok, lp, _, fin), t in zip(packed, trusted, strict=True)]
@@ -294,15 +302,21 @@ class Intake:
         self.metrics.accepted_tokens.inc(sub.num_tokens)
         return pb.SubmitGroupResponse(accepted=True, rewards=rewards, credited_tokens=sub.num_tokens, group_id=str(group_id))
 
-    async def _verify(self, lease: LeaseRecord, prompt: dict, sub: Submission, node: NodeInfo,
-                      peer: str) -> tuple[Rejection | None, list | None]:
-        prompt_ids = st.unpack_i32(prompt["prompt_ids"]).tolist()
-        result = await asyncio.get_running_loop().run_in_executor(
-            self._verify_pool, self.verifier.verify_group, lease, prompt_ids, sub)
-        self.metrics.verify_latency.observe(result.seconds)
+    async def _verify(self, lease: LeaseRecord, prompt: dict, sub: Submission, node: NodeInfo, peer: str, digest: str,
+                      req: pb.SubmitGroupRequest) -> tuple[Rejection | None, list | None]:
+        if self.verdicts is not None:
+            rejection, trusted, seconds = await self.verdicts.verify(lease, node.node_id, peer, digest,
+                                                                     req.SerializeToString(), sub)
+        else:
+            prompt_ids = st.unpack_i32(prompt["prompt_ids"]).tolist()
+            result = await asyncio.get_running_loop().run_in_executor(
+                self._verify_pool, self.verifier.verify_group, lease, prompt_ids, sub)
+            rejection, trusted, seconds = result.rejection, result.trusted_logprobs, result.seconds
+        if seconds > 0:  # (0: the pool gave no verdict in time; nothing ran for this submission yet)
+            self.metrics.verify_latency.observe(seconds)
         if self.verify_budget is not None:
-            self.verify_budget.charge(node.node_id, peer, result.seconds)
-        return result.rejection, result.trusted_logprobs
+            self.verify_budget.charge(node.node_id, peer, seconds)
+        return rejection, trusted
 
     async def _reject(self, node: NodeInfo, lease: LeaseRecord | None, rejection: Rejection) -> None:
         """Record the refusal with its lease and raise it, counted. A lease that was legitimately this
@@ -385,3 +399,5 @@ class Intake:
 
     def close(self) -> None:
         self._verify_pool.shutdown(wait=False, cancel_futures=True)
+        if self.verdicts is not None:
+            self.verdicts.close()
