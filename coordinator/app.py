@@ -277,9 +277,10 @@ async def _start_parts(coord: Coordinator, key) -> None:
     origin = getattr(coord, "origin_url", None)
     if origin:
         ports["origin"] = origin
-    tmp = base / (PORTS_NAME + ".tmp")
-    tmp.write_text(json.dumps(ports))
-    tmp.replace(base / PORTS_NAME)
+    if role != "verifier":  # (a verifier serves no port a node or an operator's tool would look up)
+        tmp = base / f"{PORTS_NAME}.{os.getpid()}.tmp"  # per process: edges on one DIR start side by side
+        tmp.write_text(json.dumps(ports))
+        tmp.replace(base / PORTS_NAME)
     log.info("coordinator (role %s) serving on %s (%s), policy version %d, verification %s", role,
              coord.address if coord.server is not None else "no gRPC port", "TLS" if cfg.server.tls else "plaintext",
              coord.service.policy.version, verification_state(cfg))
