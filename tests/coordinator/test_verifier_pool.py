@@ -204,6 +204,7 @@ def _claimed_by_someone(pg_url: str, lease_id: str) -> bool:
         db.close()
 
 
+@pytest.mark.slow  # three processes import torch: ~60 s on 2 shared cores
 def test_an_edge_and_two_verifier_processes_on_postgres_survive_a_verifier_killed_mid_group(pg_url, tmp_path):
     base = make_coordinator_dir(tmp_path, {"database": pg_url, "intake.verify": True, "verifier.pool": True,
                                            "verifier.claim_timeout_s": 3, "verifier.wait_s": 60,
