@@ -1127,7 +1127,7 @@ class VerifyJob:
     peer: str
     submission: bytes
     created_ms: int
-    claims: int  # times claimed, this one included (more than 1: a worker died or stopped holding it)
+    claims: int  # times claimed and not handed back, this one included (more than 1: a worker died on it)
 
 
 @dataclass(frozen=True)
@@ -1173,8 +1173,10 @@ def reclaim_verify_jobs(conn: sqlite3.Connection, now_ms: int) -> int:
 
 
 def release_verify_job(conn: sqlite3.Connection, job_id: int, worker: str) -> bool:
-    """A worker stopping cleanly hands its claim back at once, rather than at its deadline."""
-    return bool(conn.execute("UPDATE verify_jobs SET state = ?, worker = '' WHERE job_id = ? AND state = ? AND worker = ?",
+    """A worker stopping cleanly hands its claim back at once, rather than at its deadline (uncounted: the
+    group did not stop that worker)."""
+    return bool(conn.execute("UPDATE verify_jobs SET state = ?, worker = '', claims = claims - 1 WHERE job_id = ? "
+                             "AND state = ? AND worker = ?",
                              (JobState.PENDING, job_id, JobState.CLAIMED, worker)).rowcount)
 
 

@@ -11,7 +11,8 @@ TrustedVerifier` on the trusted weights of the lease's version, and write the ve
 Failure handling, all through the store:
 
 - a claim lasts ``verifier.claim_timeout_s``; a worker killed mid-group loses its job then, and any
-  worker takes it up again (``reclaim_verify_jobs``); a worker stopped cleanly hands it back at once;
+  worker takes it up again (``reclaim_verify_jobs``), up to ``MAX_CLAIMS`` times; a worker stopped
+  cleanly hands it back at once;
 - the first verdict written stands (``finish_verify_job``), so a group is judged once even when a slow
   worker finishes after the one that reclaimed its job;
 - an edge waits ``verifier.wait_s`` for a verdict, then refuses the group ``unavailable`` (retryable, the
@@ -45,6 +46,9 @@ VERDICT_POLL_MAX_S = 0.1
 CLAIM_POLL_MIN_S = 0.01
 CLAIM_POLL_MAX_S = 0.25
 HOUSEKEEPING_EVERY_S = 1.0
+# A job claimed this many times without a verdict (each claimant killed or hung on it) is refused instead
+# of handed to yet another worker: one group must not take the pool down worker after worker.
+MAX_CLAIMS = 3
 
 
 def pack_trusted(trusted: list | None) -> bytes | None:
@@ -189,6 +193,10 @@ class VerifierPool:
 
     async def judge(self, job: st.VerifyJob) -> st.Verdict:
         """The verdict on one job: the lease must still be open, then the verifier's stages."""
+        if job.claims > MAX_CLAIMS:
+            log.error("job %d (lease %s) was claimed %d times without a verdict: refused", job.job_id, job.lease_id,
+                      job.claims - 1)
+            return st.Verdict(Reason.INTERNAL.value, f"{job.claims - 1} verifier workers stopped on this group")
         row, prompt, _ = await self.db.run_read(lambda conn: st.load_lease(conn, job.lease_id))
         lease = None if row is None else st.LeaseRecord.from_row(row)
         if lease is None or lease.state != st.LeaseState.OPEN or _now_ms() > lease.deadline_ms:

@@ -18,7 +18,7 @@ from support import make_coordinator_dir, node_client, running_coordinator
 from test_edges import HANG_GUARD_S, free_port, start, wait_http
 
 from veriroll.coordinator import store as st
-from veriroll.coordinator.verifier_pool import VerifierPool
+from veriroll.coordinator.verifier_pool import MAX_CLAIMS, VerifierPool
 from veriroll.node.engines.base import GenerationRequest
 from veriroll.node.engines.torch import TorchEngine
 from veriroll.protos.identity import PrivateKey
@@ -92,7 +92,7 @@ def test_a_claim_past_its_deadline_is_reclaimed_and_a_released_one_is_pending_at
 
         assert not db.run_sync(lambda c: st.release_verify_job(c, job, "killed"))  # not its claim any more
         assert db.run_sync(lambda c: st.release_verify_job(c, job, "other"))
-        assert db.run_sync(lambda c: st.claim_verify_job(c, "third", 9_000)).claims == 3
+        assert db.run_sync(lambda c: st.claim_verify_job(c, "third", 9_000)).claims == 2  # the release is uncounted
     finally:
         db.close()
 
@@ -191,6 +191,45 @@ def test_no_verdict_in_time_is_a_retryable_refusal_and_the_retry_finds_the_verdi
     assert [(j["state"], j["claims"]) for j in before] == [("pending", 0)]
     assert ok.accepted and summary["accepted_groups"] == 1
     assert [(j["state"], j["claims"], j["reason"]) for j in after] == [("done", 1, None)]  # judged once
+
+
+def test_a_worker_stopped_mid_group_hands_its_job_back_and_a_group_that_stops_workers_is_refused(tmp_path):
+    base = make_coordinator_dir(tmp_path, {"intake.verify": True, "verifier.pool": True, "verifier.workers": 0})
+
+    async def scenario():
+        async with running_coordinator(base) as coord, node_client(coord) as stub:
+            engine = TorchEngine(coord.policy_store.version_dir(0), 0)
+            lease = (await stub.lease_work(pb.LeaseRequest())).leases[0]
+            group = await asyncio.to_thread(generate, engine, lease)
+            await coord.db.run(lambda c: st.enqueue_verify_job(c, lease.lease_id, "h", "n", "", group.SerializeToString(),
+                                                               0))
+            pool = VerifierPool(coord.db, coord.service.verifier, workers=1, claim_timeout_s=30, keep_verdicts_s=60)
+            # The pool's one verifier thread is busy: the worker claims the job and waits mid-group.
+            busy = threading.Event()
+            pool._threads.submit(busy.wait, 60)
+            worker = asyncio.create_task(pool.work("stopping"))
+            for _ in range(HANG_GUARD_S * 100):
+                held = await coord.db.run_read(jobs)
+                if held[0]["state"] == "claimed":
+                    break
+                await asyncio.sleep(0.01)
+            worker.cancel()
+            await asyncio.gather(worker, return_exceptions=True)
+            busy.set()
+            released = await coord.db.run_read(jobs)
+            # Claimed again and again without a verdict (its workers killed): refused, not handed on for ever.
+            for _ in range(MAX_CLAIMS):
+                await coord.db.run(lambda c: st.claim_verify_job(c, "killed", 0))
+                await coord.db.run(lambda c: st.reclaim_verify_jobs(c, 1))
+            job = await coord.db.run(lambda c: st.claim_verify_job(c, "last", 1 << 50))
+            verdict = await pool.judge(job)
+            pool.close()
+            return held, released, verdict
+
+    held, released, verdict = asyncio.run(scenario())
+    assert [(j["state"], j["claims"]) for j in held] == [("claimed", 1)]
+    assert [(j["state"], j["claims"]) for j in released] == [("pending", 0)]  # back at once, not at its deadline
+    assert verdict.reason == "internal" and "3 verifier workers stopped" in verdict.detail
 
 
 # --- real processes on PostgreSQL: an edge and two verifiers, one killed mid-group --------------------------
