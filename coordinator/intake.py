@@ -2,7 +2,7 @@
 
 A submitted group passes, in order of cost: signature and replay window (at the door, ``edge.py``) →
 lease → shape and bounds → precision → staleness → verification (``verifier.py``, the only stage that
-runs the model) → reward (a worker process) → one store transaction that accepts it, or spends the
+runs the model: in this process, or in the verifier pool, ``verifier_pool.py``) → reward (a worker process) → one store transaction that accepts it, or spends the
 lease and records the refusal.
 
 The stages before verification are pure functions of plain data that return ``None`` to pass or a

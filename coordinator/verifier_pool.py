@@ -170,20 +170,31 @@ class VerifierPool:
         delay = CLAIM_POLL_MIN_S
         while True:
             try:
-                job = await self.db.run(lambda conn: st.claim_verify_job(conn, worker, _now_ms() + self.claim_ms))
+                claimed = await self.claim(worker)
             except st.DB_ERRORS:
                 log.exception("claiming a verification job failed; retrying")
-                job = None
-            if job is None:
+                claimed = None
+            if claimed is None:
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, CLAIM_POLL_MAX_S)
                 continue
             delay = CLAIM_POLL_MIN_S
-            await self._settle(job, worker)
+            await self._settle(worker, *claimed)
 
-    async def _settle(self, job: st.VerifyJob, worker: str) -> None:
+    async def claim(self, worker: str) -> tuple[st.VerifyJob, st.LeaseRecord | None, dict | None] | None:
+        """The oldest pending job, now claimed by ``worker``, with its lease and prompt (one store transaction)."""
+        def claim_with_lease(conn):
+            job = st.claim_verify_job(conn, worker, _now_ms() + self.claim_ms)
+            if job is None:
+                return None
+            row, prompt, _ = st.load_lease(conn, job.lease_id)
+            return job, None if row is None else st.LeaseRecord.from_row(row), prompt
+
+        return await self.db.run(claim_with_lease)
+
+    async def _settle(self, worker: str, job: st.VerifyJob, lease: st.LeaseRecord | None, prompt: dict | None) -> None:
         try:
-            verdict = await self.judge(job)
+            verdict = await self.judge(job, lease, prompt)
         except asyncio.CancelledError:
             # Stopping cleanly: hand the job back now rather than at its claim deadline.
             await self.db.run(lambda conn: st.release_verify_job(conn, job.job_id, worker))
@@ -191,14 +202,12 @@ class VerifierPool:
         if await self.db.run(lambda conn: st.finish_verify_job(conn, job.job_id, verdict, _now_ms())):
             self.judged += 1
 
-    async def judge(self, job: st.VerifyJob) -> st.Verdict:
+    async def judge(self, job: st.VerifyJob, lease: st.LeaseRecord | None, prompt: dict | None) -> st.Verdict:
         """The verdict on one job: the lease must still be open, then the verifier's stages."""
         if job.claims > MAX_CLAIMS:
             log.error("job %d (lease %s) was claimed %d times without a verdict: refused", job.job_id, job.lease_id,
                       job.claims - 1)
             return st.Verdict(Reason.INTERNAL.value, f"{job.claims - 1} verifier workers stopped on this group")
-        row, prompt, _ = await self.db.run_read(lambda conn: st.load_lease(conn, job.lease_id))
-        lease = None if row is None else st.LeaseRecord.from_row(row)
         if lease is None or lease.state != st.LeaseState.OPEN or _now_ms() > lease.deadline_ms:
             # Ended while queued (expired, or another submission won it): no model time for it.
             return st.Verdict(Reason.LEASE_EXPIRED.value, f"lease {job.lease_id} ended before it was verified")

@@ -221,8 +221,7 @@ def test_a_worker_stopped_mid_group_hands_its_job_back_and_a_group_that_stops_wo
             for _ in range(MAX_CLAIMS):
                 await coord.db.run(lambda c: st.claim_verify_job(c, "killed", 0))
                 await coord.db.run(lambda c: st.reclaim_verify_jobs(c, 1))
-            job = await coord.db.run(lambda c: st.claim_verify_job(c, "last", 1 << 50))
-            verdict = await pool.judge(job)
+            verdict = await pool.judge(*await pool.claim("last"))
             pool.close()
             return held, released, verdict
 
