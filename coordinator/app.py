@@ -299,6 +299,10 @@ def _start_verifier_pool(coord: Coordinator) -> None:
     coord.verifier_pool = pool
     log.info("verifier pool: %d worker(s) in this process, claims held %g s", cfg.verifier.workers,
              cfg.verifier.claim_timeout_s)
+    if cfg.verifier.claim_timeout_s >= cfg.leases.ttl_s:
+        log.warning("verifier.claim_timeout_s (%g s) is not under leases.ttl_s (%g s): a group whose worker is killed "
+                    "is taken up again only after its lease ended, and is lost", cfg.verifier.claim_timeout_s,
+                    cfg.leases.ttl_s)
 
 
 async def _follow_policy(coord: Coordinator, every_s: float = 1.0) -> None:

@@ -207,8 +207,10 @@ class VerifierConfig(_Section):
                        "process). Off: every edge verifies in-process (one process, SQLite)")
     workers: int = Field(1, ge=0, description="worker loops in a role 'verifier' process (and in a role 'all' process "
                          "with pool on), each verifying one group at a time")
-    claim_timeout_s: float = Field(60.0, gt=0, description="a worker holds a claimed group this long; a worker killed "
-                                   "mid-group loses it then to another (keep it well under leases.ttl_s)")
+    claim_timeout_s: float = Field(20.0, gt=0, description="a worker holds a claimed group this long; a worker killed "
+                                   "mid-group loses it then to another. Keep it well under leases.ttl_s (a group "
+                                   "reclaimed after its lease ended is lost) and above the slowest verification, "
+                                   "first load of a version's weights included (or two workers verify it)")
     device: str = Field("cpu", description="torch device of the trusted model (cpu, cuda, cuda:1, ...) in every process "
                         "that verifies")
     wait_s: float = Field(15.0, gt=0, description="an edge waits this long for a verdict, then refuses the group "
