@@ -64,12 +64,14 @@ def unpack_trusted(blob: bytes | None, sub: Submission) -> list[np.ndarray] | No
         return None
     flat = st.unpack_f32(blob)
     ends = np.cumsum([len(s.token_ids) for s in sub.samples])
-    if len(flat) != (ends[-1] if len(ends) else 0):
-        raise ValueError(f"a verdict holds {len(flat)} trusted log-probs for {ends[-1]} tokens")
+    tokens = int(ends[-1]) if len(ends) else 0
+    if len(flat) != tokens:
+        raise ValueError(f"a verdict holds {len(flat)} trusted log-probs for {tokens} tokens")
     return np.split(flat, ends[:-1])
 
 
 def rejection_of(verdict: st.Verdict) -> Rejection | None:
+    """The verdict as the intake's rejection (None: passed)."""
     if verdict.reason is None:
         return None
     try:
@@ -179,7 +181,10 @@ class VerifierPool:
                 delay = min(delay * 2, CLAIM_POLL_MAX_S)
                 continue
             delay = CLAIM_POLL_MIN_S
-            await self._settle(worker, *claimed)
+            try:
+                await self._settle(worker, *claimed)
+            except st.DB_ERRORS:  # the worker lives on; the job goes back to the queue at its claim deadline
+                log.exception("writing the verdict of job %d failed", claimed[0].job_id)
 
     async def claim(self, worker: str) -> tuple[st.VerifyJob, st.LeaseRecord | None, dict | None] | None:
         """The oldest pending job, now claimed by ``worker``, with its lease and prompt (one store transaction)."""
