@@ -231,6 +231,18 @@ def test_a_worker_stopped_mid_group_hands_its_job_back_and_a_group_that_stops_wo
     assert verdict.reason == "internal" and "3 verifier workers stopped" in verdict.detail
 
 
+def test_a_verifier_process_needs_a_shared_store_and_verification_on(tmp_path, pg_url):
+    from veriroll.coordinator.app import start_coordinator
+    from veriroll.protos.config import ConfigError
+
+    on_sqlite = make_coordinator_dir(tmp_path / "a", {"intake.verify": True})
+    with pytest.raises(ConfigError, match="postgresql://"):
+        asyncio.run(start_coordinator(on_sqlite, overrides=["role=verifier"]))
+    unverified = make_coordinator_dir(tmp_path / "b", {"database": pg_url, "intake.verify": False})
+    with pytest.raises(ConfigError, match="intake.verify = false"):
+        asyncio.run(start_coordinator(unverified, overrides=["role=verifier"]))
+
+
 # --- real processes on PostgreSQL: an edge and two verifiers, one killed mid-group --------------------------
 
 
