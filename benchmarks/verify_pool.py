@@ -21,6 +21,7 @@ import argparse
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -196,6 +197,7 @@ def main() -> int:
                   f"{f['verify_ms_per_group']} of them in the verifier)", flush=True)
     finally:
         cluster.stop()
+        shutil.rmtree(root, ignore_errors=True)
     one, two = figures[1]["verify_groups_per_s"], figures[2]["verify_groups_per_s"]
     print(json.dumps({
         "verify_groups_per_s_1": one, "verify_groups_per_s_2": two,
