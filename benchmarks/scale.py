@@ -627,7 +627,8 @@ def deployment_figures(s: dict, args, edges: int) -> dict:
         "held_fraction": s["held_fraction"], "predicted_groups_per_s": round(predicted_groups_per_s(
             s["nodes"], args, edges), 1),
         "submit_p50_ms": submit.get("p50_ms"), "submit_p99_ms": submit.get("p99_ms"),
-        "error_fraction": s["error_fraction"], "errors": s["errors"],
+        "error_fraction": s["error_fraction"], "errors": s["errors"], "error_examples": s["error_examples"],
+        "unfinished_nodes": s["unfinished_nodes"],
         "edge_cores": c["cpu_cores"], "client_cores": s["client_cpu_cores"], "store_cores": store_cores,
         # CPU per accepted group, by who spends it: what two cores can hold at most is 2 s / their sum.
         "edge_ms_per_group": c["cpu_ms_per_group"],
@@ -648,6 +649,7 @@ def scale_out(args, root: Path) -> dict:
     ``--role all`` process on SQLite, then one and two ``--role edge`` processes on a throwaway PostgreSQL
     cluster (tests/pg_cluster.py: fsync off, so the store's durability cost is not in these figures).
     """
+    sys.path.insert(0, str(HERE.parents[1] / "tests"))
     from pg_cluster import Cluster, unavailable
 
     fleet = argparse.Namespace(**{**vars(args), "think_s": args.edge_think_s})
