@@ -621,7 +621,7 @@ def deployment_figures(s: dict, args, edges: int) -> dict:
     c = s["coordinator"]
     accepted = s["submissions_per_s"]
     store_cores = s["deployment"]["store_cores"]
-    return {
+    figures = {
         "nodes": s["nodes"], "roles": s["deployment"]["roles"], "store": s["deployment"]["store"],
         "groups_per_s": accepted, "offered_groups_per_s": s["offered_submissions_per_s"],
         "held_fraction": s["held_fraction"], "predicted_groups_per_s": round(predicted_groups_per_s(
@@ -630,12 +630,17 @@ def deployment_figures(s: dict, args, edges: int) -> dict:
         "error_fraction": s["error_fraction"], "errors": s["errors"], "error_examples": s["error_examples"],
         "unfinished_nodes": s["unfinished_nodes"],
         "edge_cores": c["cpu_cores"], "client_cores": s["client_cpu_cores"], "store_cores": store_cores,
-        # CPU per accepted group, by who spends it: what two cores can hold at most is 2 s / their sum.
+        # CPU per accepted group, by who spends it.
         "edge_ms_per_group": c["cpu_ms_per_group"],
         "client_ms_per_group": round(s["client_cpu_cores"] / accepted * 1000, 2) if accepted else None,
         "store_ms_per_group": round(store_cores / accepted * 1000, 2) if accepted and store_cores else None,
         "load_avg": s["load_avg"],
     }
+    spent = [figures[k] for k in ("edge_ms_per_group", "client_ms_per_group", "store_ms_per_group") if figures[k]]
+    # What this machine's cores could hold were nothing else running: the planner gives each edge its
+    # own core, while here the clients and PostgreSQL take theirs from the same two.
+    figures["machine_bound_groups_per_s"] = round(os.cpu_count() * 1000 / sum(spent), 1) if spent else None
+    return figures
 
 
 def postmaster_pid(cluster) -> int:
@@ -754,7 +759,8 @@ def main() -> int:
         for name, run in [*out["runs"].items(), ("fleet", out.get("fleet"))]:
             if run:
                 print(f"{name}: {run['nodes']} nodes, {run['groups_per_s']:.1f} groups/s (predicted "
-                      f"{run['predicted_groups_per_s']:.1f}, {run['held_fraction']:.0%} of offered), submit p99 "
+                      f"{run['predicted_groups_per_s']:.1f}, this machine's CPU {run['machine_bound_groups_per_s']}, "
+                      f"{run['held_fraction']:.0%} of offered), submit p99 "
                       f"{run['submit_p99_ms']} ms | cores: edges {run['edge_cores']}, clients {run['client_cores']}, "
                       f"store {run['store_cores']} | load {run['load_avg']}", flush=True)
         print(f"edge_scaling {out.get('edge_scaling')} (this machine's CPU allows at most "
