@@ -27,19 +27,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve()
 sys.path.insert(0, str(HERE.parent))
 
-import scale  # noqa: E402  (benchmarks/ is not a package: scale.py is imported by path)
-
-from veriroll.coordinator.plan import Workload, plan  # noqa: E402
-
-
-def predicted_groups_per_s(nodes: int, args) -> float:
-    """What the planner expects one edge process to hold for this simulated fleet."""
-    mean_think = args.think_s * math.exp(args.think_sigma ** 2 / 2)
-    w = Workload(model_params=1.0, nodes=nodes, tokens_per_sample=args.tokens, group_size=args.group_size,
-                 audit_fraction=0.0, prompt_tokens=0, node_tokens_per_s=args.group_size * args.tokens / mean_think,
-                 heartbeat_s=args.heartbeat_s)
-    p = plan(w)
-    return min(p["groups_per_s"], p["groups_per_s_one_edge"])
+from scale import predicted_groups_per_s, run_scale  # noqa: E402  (benchmarks/ is not a package: imported by path)
 
 
 def main() -> int:
@@ -63,7 +51,7 @@ def main() -> int:
     points = []
     try:
         for n in [int(x) for x in args.scales.split(",") if x.strip()]:
-            s = scale.run_scale(n, args, root)
+            s = run_scale(n, args, root)
             predicted = predicted_groups_per_s(n, args)
             measured = s["submissions_per_s"]
             error = (predicted - measured) / measured if measured else None

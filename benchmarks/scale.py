@@ -16,11 +16,23 @@ and the main thread that runs the event loop), RSS and CPU per accepted group. T
 measured on the side: one Ed25519 verification and one SQLite commit in the coordinator's directory.
 From these the script names the resource that runs out first and what to split.
 
-    .venv/bin/python benchmarks/scale.py [--quick] [--scales 100,300,1000] [--measure-s 30] [--think-s 3]
+Past one process, the same fleet (``--edge-nodes`` at ``--edge-think-s``, offering more than one edge
+holds) meets one ``--role all`` process on SQLite, then one and two ``--role edge`` processes sharing
+one gRPC port (SO_REUSEPORT) on a throwaway PostgreSQL cluster (tests/pg_cluster.py; fsync off), no
+trainer; then ``--fleet-nodes`` at ``--think-s`` meet the two edges. Each run stands beside the
+planner's prediction (coordinator/plan.py). benchmarks/intake.py and, where it exists,
+benchmarks/verify_pool.py run as children for ``intake_ratio`` and ``verify_groups_per_s_1/_2``.
 
-``--quick`` is 50, 100 and 200 nodes with a short window (under two minutes). Prints one human line per
-scale and the verdict, then one JSON line: ``scales`` (a list of per-scale figures), ``verdict``,
-``saturation`` (the resource and the node count where it ran out), ``fixed_costs``, ``config``.
+    .venv/bin/python benchmarks/scale.py [--quick] [--scales 100,300,1000] [--measure-s 30] [--think-s 3]
+        [--edge-nodes 600] [--edge-think-s 1.5] [--fleet-nodes 1000]
+
+``--quick`` is 100 and 300 nodes, then the scale-out runs, with short windows (under ten minutes).
+Prints one human line per run and the verdict, then one JSON line: ``groups_per_s`` (per deployment),
+``edge_scaling`` (2 edges / 1 edge on PostgreSQL) and ``edge_scaling_cpu_bound`` (the most this
+machine's cores allow with the clients on them), ``fleet_held_fraction`` and ``fleet_submit_p99_ms``
+(``--fleet-nodes`` on 2 edges), ``predicted_groups_per_s`` / ``measured_groups_per_s`` (that run),
+``intake_ratio``, ``verify_groups_per_s_1/_2``, ``scale_out`` (every run's figures), ``scales`` (the
+sweep's per-scale figures), ``verdict``, ``saturation``, ``fixed_costs``, ``config``.
 """
 
 from __future__ import annotations
@@ -240,19 +252,19 @@ def server_seconds(http_port: int) -> dict[str, tuple[float, float]]:
 
 
 class RssSampler(threading.Thread):
-    """The coordinator's peak resident memory, sampled every 0.25 s until stopped."""
+    """The coordinator processes' peak resident memory (summed), sampled every 0.25 s until stopped."""
 
-    def __init__(self, pid: int):
+    def __init__(self, pids: list[int]):
         super().__init__(daemon=True)
-        self.pid, self.peak, self._halt = pid, 0, threading.Event()
+        self.pids, self.peak, self._halt = pids, 0, threading.Event()
 
     def run(self) -> None:
         import psutil
 
-        p = psutil.Process(self.pid)
+        procs = [psutil.Process(pid) for pid in self.pids]
         while not self._halt.wait(0.25):
             try:
-                self.peak = max(self.peak, p.memory_info().rss)
+                self.peak = max(self.peak, sum(p.memory_info().rss for p in procs))
             except psutil.Error:
                 return
 
@@ -296,36 +308,89 @@ def percentile(values: list[float], q: float) -> float | None:
     return values[min(len(values) - 1, max(0, math.ceil(q / 100 * len(values)) - 1))]
 
 
-def run_scale(nodes: int, args, root: Path) -> dict:
-    """One fresh coordinator, ``nodes`` simulated nodes, one measurement window."""
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_coordinator(base: Path, role: str, grpc_port: int, http_port: int, env: dict) -> subprocess.Popen:
+    """``veriroll coordinator run --role ROLE`` on DIR ``base``, once its /healthz answers (it reaches its store)."""
+    veriroll = str(Path(sys.executable).parent / "veriroll")
+    proc = subprocess.Popen([veriroll, "coordinator", "run", "--dir", str(base), "--log-level", "warning",
+                             "--role", role, "--set", f"server.port={grpc_port}",
+                             "--set", f"server.http_port={http_port}"], env=env)
+    deadline = time.time() + 120
+    while True:
+        if proc.poll() is not None or time.time() > deadline:
+            proc.kill()
+            raise RuntimeError(f"coordinator role {role} did not start (exit code {proc.poll()})")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/healthz", timeout=2) as r:
+                if r.status == 200:
+                    return proc
+        except OSError:
+            time.sleep(0.2)
+
+
+def process_tree_cpu(pid: int) -> dict[int, float]:
+    """pid -> CPU seconds of process ``pid`` and its children (PostgreSQL's postmaster and backends)."""
+    import psutil
+
+    out = {}
+    try:
+        root = psutil.Process(pid)
+        for p in [root, *root.children(recursive=True)]:
+            try:
+                out[p.pid] = sum(p.cpu_times()[:2])
+            except psutil.Error:
+                continue
+    except psutil.Error:
+        pass
+    return out
+
+
+def run_scale(nodes: int, args, root: Path, *, database: str | None = None, edges: int = 1,
+              store_pid: int | None = None, label: str = "") -> dict:
+    """One fresh deployment, ``nodes`` simulated nodes, one measurement window.
+
+    With ``database`` None: one ``--role all`` process on SQLite (today's single coordinator). With a
+    postgresql:// URL: ``edges`` processes ``--role edge`` sharing one gRPC port (SO_REUSEPORT), no trainer.
+    ``store_pid`` (PostgreSQL's postmaster) adds the store's own CPU to the figures.
+    """
     sys.path.insert(0, str(HERE.parents[1] / "tests"))
     from support import make_coordinator_dir
 
-    work = root / f"n{nodes}"
+    work = root / (label or f"n{nodes}")
     work.mkdir()
     base = make_coordinator_dir(work, {
         "leases.group_size": args.group_size, "leases.max_new_tokens": args.tokens, "leases.queue_maxsize": 10**9,
         "leases.ttl_s": 120, "leases.max_open_per_node": 2, "intake.verify": False, "trainer.enabled": False,
         "server.key_rate_per_s": 1000.0, "server.key_burst": 1000.0, "server.peer_rate_per_s": 1e6,
         "server.peer_burst": 1e6, "server.max_concurrent_rpcs": 16384, **PROVEN_FLEET,
+        # The whole fleet connects from 127.0.0.1: one address's in-flight cap would refuse it as one NAT.
+        "server.max_inflight_per_address": 10**6, **({"database": database} if database else {}),
     })
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    veriroll = str(Path(sys.executable).parent / "veriroll")
-    coord = subprocess.Popen([veriroll, "coordinator", "run", "--dir", str(base), "--log-level", "warning"], env=env)
+    grpc_port = free_port()
+    roles = ["all"] if database is None else ["edge"] * edges
+    coords: list[subprocess.Popen] = []
+    http_ports: list[int] = []
     workers: list[subprocess.Popen] = []
     sampler = None
     try:
-        deadline = time.time() + 120
-        while not (base / "ports.json").exists():
-            if coord.poll() is not None or time.time() > deadline:
-                raise RuntimeError(f"the coordinator did not start (exit code {coord.poll()})")
-            time.sleep(0.1)
-        ports = json.loads((base / "ports.json").read_text())
+        # One at a time: the first creates the schema, and each must bind before the next shares its port.
+        for role in roles:
+            http_ports.append(free_port())
+            coords.append(start_coordinator(base, role, grpc_port, http_ports[-1], env))
+        pids = [c.pid for c in coords]
         t0 = time.time() + 2.0  # client processes import and generate keys meanwhile
         # Connecting (TLS) and registering are not the steady state: start at most --ramp-rate nodes/s.
         ramp_s = max(args.ramp_s, nodes / args.ramp_rate)
         measure_from = t0 + ramp_s + args.settle_s
-        spec = {"address": f"127.0.0.1:{ports['grpc']}", "ca": str(base / "tls" / "ca.crt"), "t0": t0,
+        spec = {"address": f"127.0.0.1:{grpc_port}", "ca": str(base / "tls" / "ca.crt"), "t0": t0,
                 "ramp_s": ramp_s, "measure_from": measure_from, "measure_to": measure_from + args.measure_s,
                 "stop_at": measure_from + args.measure_s, "think_s": args.think_s, "think_sigma": args.think_sigma,
                 "heartbeat_s": args.heartbeat_s, "call_timeout_s": args.call_timeout_s}
@@ -335,17 +400,19 @@ def run_scale(nodes: int, args, root: Path) -> dict:
             wspec = dict(spec, nodes=share, seed=1000 * nodes + w)
             workers.append(subprocess.Popen([sys.executable, str(HERE), "--worker", json.dumps(wspec)],
                                             env=env, stdout=subprocess.PIPE, text=True))
-        sampler = RssSampler(coord.pid)
+        sampler = RssSampler(pids)
         sampler.start()
         time.sleep(max(0.0, measure_from - time.time()))
-        cpu_a, main_a = thread_cpu(coord.pid)
-        srv_a = server_seconds(ports["http"])
+        cpu_a = [thread_cpu(pid) for pid in pids]
+        srv_a = [server_seconds(port) for port in http_ports]
+        store_a = process_tree_cpu(store_pid) if store_pid else {}
         time.sleep(max(0.0, spec["measure_to"] - time.time()))
-        cpu_b, main_b = thread_cpu(coord.pid)
-        srv_b = server_seconds(ports["http"])
+        cpu_b = [thread_cpu(pid) for pid in pids]
+        srv_b = [server_seconds(port) for port in http_ports]
+        store_b = process_tree_cpu(store_pid) if store_pid else {}
         import psutil
 
-        rss = psutil.Process(coord.pid).memory_info().rss
+        rss = sum(psutil.Process(pid).memory_info().rss for pid in pids)
         results = []
         for w in workers:
             out, _ = w.communicate(timeout=args.call_timeout_s + 60)
@@ -360,13 +427,32 @@ def run_scale(nodes: int, args, root: Path) -> dict:
             if w.poll() is None:
                 w.kill()
                 w.wait(timeout=10)
-        coord.send_signal(signal.SIGTERM)
-        try:
-            coord.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            coord.kill()
-            coord.wait(timeout=10)
-    return summarize(nodes, args, results, (cpu_b - cpu_a, main_b - main_a), srv_a, srv_b, rss, peak)
+        for coord in coords:
+            coord.send_signal(signal.SIGTERM)
+        for coord in coords:
+            try:
+                coord.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                coord.kill()
+                coord.wait(timeout=10)
+    spent = [(b[0] - a[0], b[1] - a[1]) for a, b in zip(cpu_a, cpu_b, strict=True)]
+    cpu = (sum(total for total, _ in spent), sum(main for _, main in spent))
+    figures = summarize(nodes, args, results, cpu, merge_server_seconds(srv_a), merge_server_seconds(srv_b), rss, peak)
+    # Backends that lived through the window; one that came or went meanwhile is left out.
+    store_s = sum(store_b[pid] - store_a[pid] for pid in store_a.keys() & store_b.keys())
+    figures["deployment"] = {"store": "sqlite" if database is None else "postgresql", "roles": roles,
+                             "store_cores": round(store_s / args.measure_s, 2) if store_pid else None}
+    return figures
+
+
+def merge_server_seconds(per_process: list[dict[str, tuple[float, float]]]) -> dict[str, tuple[float, float]]:
+    """One /metrics view of several processes: seconds and counts summed per method."""
+    out: dict[str, tuple[float, float]] = {}
+    for seconds in per_process:
+        for method, (s, n) in seconds.items():
+            s0, n0 = out.get(method, (0.0, 0.0))
+            out[method] = (s0 + s, n0 + n)
+    return out
 
 
 def summarize(nodes: int, args, results: list[dict], cpu: tuple[float, float], srv_a: dict, srv_b: dict,
@@ -514,6 +600,119 @@ def verdict(scales: list[dict], costs: dict) -> tuple[dict, str]:
     return summary, text
 
 
+# --- past one process: edges on one port, PostgreSQL, the planner, the other benchmarks -----------------
+
+
+def predicted_groups_per_s(nodes: int, args, edges: int = 1) -> float:
+    """What the planner expects ``edges`` edge processes to hold for this simulated fleet."""
+    from veriroll.coordinator.plan import Workload, plan
+
+    mean_think = args.think_s * math.exp(args.think_sigma ** 2 / 2)
+    w = Workload(model_params=1.0, nodes=nodes, tokens_per_sample=args.tokens, group_size=args.group_size,
+                 audit_fraction=0.0, prompt_tokens=0, node_tokens_per_s=args.group_size * args.tokens / mean_think,
+                 heartbeat_s=args.heartbeat_s)
+    p = plan(w)
+    return min(p["groups_per_s"], edges * p["groups_per_s_one_edge"])
+
+
+def deployment_figures(s: dict, args, edges: int) -> dict:
+    """One deployment's run, in the few figures the scale-out comparison reads."""
+    submit = s["latency"].get("SubmitGroup") or {}
+    c = s["coordinator"]
+    accepted = s["submissions_per_s"]
+    store_cores = s["deployment"]["store_cores"]
+    figures = {
+        "nodes": s["nodes"], "roles": s["deployment"]["roles"], "store": s["deployment"]["store"],
+        "groups_per_s": accepted, "offered_groups_per_s": s["offered_submissions_per_s"],
+        "held_fraction": s["held_fraction"], "predicted_groups_per_s": round(predicted_groups_per_s(
+            s["nodes"], args, edges), 1),
+        "submit_p50_ms": submit.get("p50_ms"), "submit_p99_ms": submit.get("p99_ms"),
+        "error_fraction": s["error_fraction"], "errors": s["errors"], "error_examples": s["error_examples"],
+        "unfinished_nodes": s["unfinished_nodes"],
+        "edge_cores": c["cpu_cores"], "client_cores": s["client_cpu_cores"], "store_cores": store_cores,
+        # CPU per accepted group, by who spends it.
+        "edge_ms_per_group": c["cpu_ms_per_group"],
+        "client_ms_per_group": round(s["client_cpu_cores"] / accepted * 1000, 2) if accepted else None,
+        "store_ms_per_group": round(store_cores / accepted * 1000, 2) if accepted and store_cores else None,
+        "load_avg": s["load_avg"],
+    }
+    spent = [figures[k] for k in ("edge_ms_per_group", "client_ms_per_group", "store_ms_per_group") if figures[k]]
+    # What this machine's cores could hold were nothing else running: the planner gives each edge its
+    # own core, while here the clients and PostgreSQL take theirs from the same two.
+    figures["machine_bound_groups_per_s"] = round(os.cpu_count() * 1000 / sum(spent), 1) if spent else None
+    return figures
+
+
+def postmaster_pid(cluster) -> int:
+    return int((cluster.data / "postmaster.pid").read_text().split()[0])
+
+
+def scale_out(args, root: Path) -> dict:
+    """groups/s with 1 and 2 edge processes on SQLite and PostgreSQL against one fleet, and 1,000 nodes.
+
+    The same fleet (``--edge-nodes`` at ``--edge-think-s``, offering more than one edge holds) meets one
+    ``--role all`` process on SQLite, then one and two ``--role edge`` processes on a throwaway PostgreSQL
+    cluster (tests/pg_cluster.py: fsync off, so the store's durability cost is not in these figures).
+    """
+    sys.path.insert(0, str(HERE.parents[1] / "tests"))
+    from pg_cluster import Cluster, unavailable
+
+    fleet = argparse.Namespace(**{**vars(args), "think_s": args.edge_think_s})
+    runs = {"sqlite_1_edge": deployment_figures(run_scale(args.edge_nodes, fleet, root, label="sqlite-1"), fleet, 1)}
+    why = unavailable()
+    if why is not None:
+        return {"runs": runs, "postgresql": f"not measured: {why}"}
+    cluster = Cluster()
+    try:
+        pid = postmaster_pid(cluster)
+        for edges in (1, 2):
+            s = run_scale(args.edge_nodes, fleet, root, database=cluster.new_database(), edges=edges, store_pid=pid,
+                          label=f"postgres-{edges}")
+            runs[f"postgres_{edges}_edge{'s' if edges > 1 else ''}"] = deployment_figures(s, fleet, edges)
+        s = run_scale(args.fleet_nodes, args, root, database=cluster.new_database(), edges=2, store_pid=pid,
+                      label=f"fleet-{args.fleet_nodes}")
+        fleet_run = deployment_figures(s, args, 2)
+    finally:
+        cluster.stop()
+    one, two = runs["postgres_1_edge"], runs["postgres_2_edges"]
+    return {
+        "runs": runs,
+        "edge_scaling": round(two["groups_per_s"] / one["groups_per_s"], 2) if one["groups_per_s"] else None,
+        "edge_scaling_cpu_bound": edge_scaling_cpu_bound(two),
+        "fleet": fleet_run,
+    }
+
+
+def edge_scaling_cpu_bound(run: dict) -> float | None:
+    """The most a second edge can gain on this machine, were it otherwise idle, from ``run``'s CPU per group.
+
+    One edge holds at most one core's worth of groups; two edges at most two, unless the machine's cores
+    run out first: the clients and PostgreSQL share the cores the edges would scale onto.
+    """
+    costs = [run[k] for k in ("edge_ms_per_group", "client_ms_per_group", "store_ms_per_group")]
+    if None in costs:
+        return None
+    one_edge = 1000 / costs[0]
+    machine = os.cpu_count() * 1000 / sum(costs)
+    return round(min(2 * one_edge, machine) / min(one_edge, machine), 2)
+
+
+def child_figures(script: str, quick: bool, keys: tuple[str, ...]) -> dict:
+    """Run another benchmark as a child and take ``keys`` from its last JSON line (a note if it is absent)."""
+    path = HERE.parent / script
+    if not path.exists():
+        return {key: None for key in keys} | {"note": f"benchmarks/{script} is absent: not measured"}
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    out = subprocess.run([sys.executable, str(path), *(["--quick"] if quick else [])], capture_output=True,
+                         text=True, env=env, timeout=1200, check=False)
+    lines = [line for line in out.stdout.splitlines() if line.startswith("{")]
+    if out.returncode != 0 or not lines:
+        return {key: None for key in keys} | {"note": f"benchmarks/{script} failed (exit code {out.returncode}): "
+                                                      f"{out.stderr.strip()[-300:]}"}
+    result = json.loads(lines[-1])
+    return {key: result.get(key) for key in keys}
+
+
 def main() -> int:
     if len(sys.argv) == 3 and sys.argv[1] == "--worker":
         return worker_main(sys.argv[2])
@@ -531,9 +730,13 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=64, help="generated tokens per sample")
     ap.add_argument("--client-procs", type=int, default=2, help="processes the simulated nodes are spread over")
     ap.add_argument("--call-timeout-s", type=float, default=30.0, help="deadline of every call")
+    ap.add_argument("--edge-nodes", type=int, default=600, help="the fleet that meets 1 and 2 edge processes")
+    ap.add_argument("--edge-think-s", type=float, default=1.5, help="its median think time (it must offer more "
+                                                                     "than one edge holds)")
+    ap.add_argument("--fleet-nodes", type=int, default=1000, help="the large fleet, at --think-s, on 2 edges")
     args = ap.parse_args()
     if args.quick:
-        args.scales, args.measure_s, args.ramp_s, args.settle_s = "50,100,200", 10.0, 3.0, 2.0
+        args.scales, args.measure_s, args.ramp_s, args.settle_s = "100,300", 10.0, 3.0, 2.0
     scales = [int(x) for x in args.scales.split(",") if x.strip()]
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     root = Path(tempfile.mkdtemp(prefix="veriroll-bench-scale-"))
@@ -552,13 +755,36 @@ def main() -> int:
         costs = fixed_costs(root)
         summary, text = verdict(figures, costs)
         print(text, flush=True)
+        out = scale_out(args, root)
+        for name, run in [*out["runs"].items(), ("fleet", out.get("fleet"))]:
+            if run:
+                print(f"{name}: {run['nodes']} nodes, {run['groups_per_s']:.1f} groups/s (predicted "
+                      f"{run['predicted_groups_per_s']:.1f}, this machine's CPU {run['machine_bound_groups_per_s']}, "
+                      f"{run['held_fraction']:.0%} of offered), submit p99 "
+                      f"{run['submit_p99_ms']} ms | cores: edges {run['edge_cores']}, clients {run['client_cores']}, "
+                      f"store {run['store_cores']} | load {run['load_avg']}", flush=True)
+        print(f"edge_scaling {out.get('edge_scaling')} (this machine's CPU allows at most "
+              f"{out.get('edge_scaling_cpu_bound')})", flush=True)
+        intake = child_figures("intake.py", args.quick, ("ratio", "intake_groups_per_s", "echo_per_s"))
+        verify = child_figures("verify_pool.py", args.quick, ("verify_groups_per_s_1", "verify_groups_per_s_2"))
     finally:
         shutil.rmtree(root, ignore_errors=True)
+    runs, fleet = out["runs"], out.get("fleet") or {}
     print(json.dumps({
+        "groups_per_s": {name: run["groups_per_s"] for name, run in runs.items()},
+        "edge_scaling": out.get("edge_scaling"), "edge_scaling_cpu_bound": out.get("edge_scaling_cpu_bound"),
+        "fleet_nodes": fleet.get("nodes"), "fleet_held_fraction": fleet.get("held_fraction"),
+        "fleet_submit_p99_ms": fleet.get("submit_p99_ms"),
+        "predicted_groups_per_s": fleet.get("predicted_groups_per_s"),
+        "measured_groups_per_s": fleet.get("groups_per_s"),
+        "verify_groups_per_s_1": verify["verify_groups_per_s_1"], "verify_groups_per_s_2": verify["verify_groups_per_s_2"],
+        "intake_ratio": intake["ratio"], "intake": intake, "verify": verify, "scale_out": out,
         "scales": figures, "saturation": summary, "verdict": text, "fixed_costs": costs,
         "config": {"think_median_s": args.think_s, "think_sigma": args.think_sigma, "heartbeat_s": args.heartbeat_s,
                    "group": f"{args.group_size}x{args.tokens} tokens", "measure_s": args.measure_s,
-                   "client_procs": args.client_procs, "cpus": os.cpu_count(), "wall_s": round(time.time() - t_start, 1)},
+                   "client_procs": args.client_procs, "edge_nodes": args.edge_nodes,
+                   "edge_think_median_s": args.edge_think_s, "fleet_nodes": args.fleet_nodes,
+                   "cpus": os.cpu_count(), "wall_s": round(time.time() - t_start, 1)},
     }))
     return 0
 

@@ -6,8 +6,9 @@ generate them; every other part must carry that rate:
     groups_per_s      = nodes * node_tokens_per_s / (group_size * tokens_per_sample)   (offered)
     edge processes    = (groups_per_s * edge_s_per_group + nodes / heartbeat_s * edge_s_per_heartbeat)
                         / utilization
-    store writes      = groups_per_s * store_writes_per_group, carried by group commit in at most
-                        1 / store_commit_s durable transactions/s
+    store writes      = groups_per_s * (store_writes_per_group + audit_fraction * store_writes_per_audited_group
+                        with the verifier pool), carried by group commit in at most 1 / store_commit_s
+                        durable transactions/s
     verifier devices  = groups_per_s * group_size * (prompt + tokens) * audit_fraction * verify_s_per_token
                         / utilization,   verify_s_per_token = 2 * params / device_flops (a prefill)
     trainer devices   = groups_per_s * group_size * (prompt + tokens) * 8 * params / gpu_flops / utilization
@@ -60,6 +61,10 @@ DEFAULT_COSTS: dict[str, UnitCost] = {
     "store_writes_per_group": UnitCost(
         2, "durable writes per accepted group", "store.py: issue the lease, accept the group (spends the lease)",
         True),
+    "store_writes_per_audited_group": UnitCost(
+        3, "durable writes per audited group handed to the verifier pool",
+        "store.py verifier pool: enqueue the job, a worker claims it, the worker writes the verdict (finished jobs "
+        "are deleted in batches)", True),
     "store_commit_s": UnitCost(
         0.004, "s per durable SQLite commit (WAL, fsync); group commit shares one among every waiting write",
         "benchmarks/scale.py fixed_costs sqlite_commit_ms on this machine's disk: ~2-5 ms", True),
@@ -114,6 +119,7 @@ class Workload:
     s_max: int = 2  # intake.s_max: groups more versions old than this are refused as stale
     deltas: bool = True
     verifier_device: str = "gpu"
+    verifier_pool: bool = False  # audited groups go through the store to verifier processes (several edges)
     utilization: float = 0.8
 
 
@@ -214,7 +220,8 @@ def plan(w: Workload, costs: dict[str, UnitCost] | None = None) -> dict:
     # Heartbeats scale with the fleet, not with its output.
     heartbeat_cores = w.nodes / w.heartbeat_s * c["edge_s_per_heartbeat"]
     edge_cores = groups_per_s * edge_s + heartbeat_cores
-    writes_per_s = groups_per_s * c["store_writes_per_group"]
+    pool_writes_per_s = groups_per_s * w.audit_fraction * c["store_writes_per_audited_group"] if w.verifier_pool else 0.0
+    writes_per_s = groups_per_s * c["store_writes_per_group"] + pool_writes_per_s
     # Group commit: one durable commit at a time, each carrying every write that arrived meanwhile.
     commits_per_s = min(writes_per_s, 1.0 / c["store_commit_s"])
 
@@ -246,6 +253,7 @@ def plan(w: Workload, costs: dict[str, UnitCost] | None = None) -> dict:
         "groups_per_s_one_edge": max(0.0, 1.0 - heartbeat_cores) / edge_s,
         "heartbeat_cores": heartbeat_cores,
         "store_writes_per_s": writes_per_s,
+        "store_pool_writes_per_s": pool_writes_per_s,
         "store_commits_per_s": commits_per_s,
         "store_writes_per_commit": writes_per_s / commits_per_s,
         "store_writer_busy": commits_per_s * c["store_commit_s"],
@@ -254,6 +262,7 @@ def plan(w: Workload, costs: dict[str, UnitCost] | None = None) -> dict:
         "verifier_devices": devices(verifier_busy),
         "verifier_device": w.verifier_device,
         "trained_tokens_per_s": trained_tokens_per_s,
+        "trainer_tokens_per_s_per_gpu": c["gpu_flops"] / (c["trainer_flops_per_token_per_param"] * w.model_params),
         "trainer_gpus": devices(trainer_busy),
         "version_bytes": version_bytes,
         "broadcast_s_to_95pct": broadcast_s,
@@ -278,11 +287,14 @@ def render(w: Workload, p: dict, costs: dict[str, UnitCost]) -> str:
            "quantized or multi-GPU engine, and --node-tokens-per-s should say what they reach"),
         f"edge processes: {p['edge_processes']} ({p['edge_cpu_s_per_group'] * 1000:.1f} ms CPU per group, "
         f"{p['heartbeat_cores']:.2f} cores of heartbeats, {w.utilization:.0%} target utilization)",
-        f"store: {p['store_writes_per_s']:.1f} writes/s in {p['store_commits_per_s']:.1f} transactions/s with group "
-        f"commit ({p['store_writes_per_commit']:.1f} writes per commit, writer {p['store_writer_busy']:.0%} busy)",
+        f"store: {p['store_writes_per_s']:.1f} writes/s"
+        + (f" ({p['store_pool_writes_per_s']:.1f} of them the verifier pool's)" if w.verifier_pool else "")
+        + f" in {p['store_commits_per_s']:.1f} transactions/s with group commit ({p['store_writes_per_commit']:.1f} "
+        f"writes per commit, writer {p['store_writer_busy']:.0%} busy)",
         f"verifier {w.verifier_device}s: {p['verifier_devices']} ({p['audited_tokens_per_s']:.0f} audited tokens/s, "
         f"{p['verify_s_per_token'] * 1e3:.3f} ms per token)",
-        f"trainer GPUs: {p['trainer_gpus']} ({p['trained_tokens_per_s']:.0f} tokens/s)",
+        f"trainer GPUs: {p['trainer_gpus']} ({p['trained_tokens_per_s']:.0f} tokens/s, "
+        f"{p['trainer_tokens_per_s_per_gpu']:.0f} per GPU)",
         f"broadcast: {p['version_bytes'] / 1e6:.0f} MB per version{' (delta)' if w.deltas else ''}, "
         f"{p['broadcast_s_to_95pct']:.0f} s to 95% of nodes through {p['relays']} relays, depth {p['relay_depth']}",
         f"staleness at one version every {w.publish_every_s:g} s (policy ages {p['staleness_span_s']:.0f} s "
@@ -298,7 +310,8 @@ def cmd_plan(args) -> int:
                  group_size=args.group_size, audit_fraction=args.audit_fraction, prompt_tokens=args.prompt_tokens,
                  node_tokens_per_s=args.node_tokens_per_s, publish_every_s=args.publish_every_s,
                  heartbeat_s=args.heartbeat_s, s_max=args.s_max,
-                 deltas=not args.no_deltas, verifier_device=args.verifier_device, utilization=args.utilization)
+                 deltas=not args.no_deltas, verifier_device=args.verifier_device, verifier_pool=args.verifier_pool,
+                 utilization=args.utilization)
     try:
         costs = load_costs(args.costs)
         p = plan(w, costs)
@@ -329,6 +342,8 @@ def register(subparsers) -> None:
                                                           "refused as stale")
     p.add_argument("--no-deltas", action="store_true", help="ship whole versions instead of deltas")
     p.add_argument("--verifier-device", default="gpu", help="gpu or cpu")
+    p.add_argument("--verifier-pool", action="store_true", help="audited groups reach verifier processes through the "
+                                                                "store (role verifier): count its writes")
     p.add_argument("--utilization", type=float, default=0.8, help="target busy share of every process and device")
     p.add_argument("--costs", default=None, metavar="FILE", help="JSON of unit costs replacing the defaults")
     p.add_argument("--json", action="store_true", help="print one JSON object")

@@ -2,6 +2,8 @@
 
 ``deploy/testnet.toml`` holds it; ``veriroll testnet`` reads it, and ``deploy/docker-compose.yml`` is
 generated from it (``python -m veriroll.deploy.compose``); a test checks that the two agree.
+``deploy/scale-out.toml`` is the same network with the coordinator split into processes over PostgreSQL
+(its ``[scale_out]`` table); it generates ``deploy/docker-compose.scale.yml``.
 """
 
 from __future__ import annotations
@@ -22,6 +24,16 @@ class RelaySpec(BaseModel):
     upstream: str = Field("origin", description="'origin' (the coordinator's relay) or the name of another relay")
 
 
+class ScaleOutSpec(BaseModel):
+    """The coordinator as several processes sharing one PostgreSQL store (compose only; docs/compose.md)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    edges: int = Field(2, ge=1, description="`coordinator run --role edge` processes sharing the gRPC port (SO_REUSEPORT)")
+    verifiers: int = Field(2, ge=0, description="`coordinator run --role verifier` processes (the verifier pool)")
+    postgres_image: str = Field("postgres:15", description="the PostgreSQL image of the store")
+
+
 class TestnetConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -37,6 +49,9 @@ class TestnetConfig(BaseModel):
                                     description="relay chain; nodes fetch from the last relays first")
     node_threads: int = Field(1, ge=1, description="torch threads per node")
     coordinator: dict = Field(default_factory=dict, description="coordinator config overrides (section.field = value)")
+    compose_file: str = Field("docker-compose.yml", description="the compose file generated from this topology (in deploy/)")
+    scale_out: ScaleOutSpec | None = Field(None, description="split the coordinator into edges, verifiers and a trainer "
+                                           "on PostgreSQL (compose only); absent: one coordinator process on SQLite")
 
     def relay_order(self) -> list[RelaySpec]:
         """Relays in start order (each after its upstream)."""

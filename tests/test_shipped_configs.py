@@ -12,7 +12,8 @@ from veriroll.node.config import NodeConfig
 from veriroll.protos.config import ConfigError, load_config
 
 ROOT = Path(__file__).resolve().parents[1]
-MODELS = {"coordinator.toml": CoordinatorConfig, "node.toml": NodeConfig, "testnet.toml": TestnetConfig}
+MODELS = {"coordinator.toml": CoordinatorConfig, "node.toml": NodeConfig, "testnet.toml": TestnetConfig,
+          "scale-out.toml": TestnetConfig}
 SHIPPED = sorted(p for p in ROOT.rglob("*.toml")
                  if p.name != "pyproject.toml" and not any(part.startswith(".") or part in ("runs", "build") for part in p.relative_to(ROOT).parts))
 

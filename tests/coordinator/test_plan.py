@@ -179,3 +179,20 @@ def test_groups_older_than_s_max_are_counted_as_refused():
     assert p["staleness"] == {"1": pytest.approx(19 / 60), "2": pytest.approx(41 / 60)}
     assert p["stale_refused_share"] == pytest.approx(0.0)
     assert plan(small_workload(nodes=5, s_max=1), costs)["stale_refused_share"] == pytest.approx(41 / 60)
+
+
+def test_the_verifier_pool_adds_its_store_writes_per_audited_group(capsys):
+    costs = costs_with(store_writes_per_audited_group=3)
+    # 100 groups/s, half audited: 2 writes per group plus 3 per audited group = 200 + 150 writes/s.
+    pooled = plan(small_workload(verifier_pool=True), costs)
+    assert pooled["store_pool_writes_per_s"] == pytest.approx(150.0)
+    assert pooled["store_writes_per_s"] == pytest.approx(350.0)
+    assert plan(small_workload(), costs)["store_writes_per_s"] == pytest.approx(200.0)
+    assert main(["plan", "--model-params", "7e9", "--nodes", "2000", "--tokens-per-sample", "2048",
+                 "--group-size", "16", "--audit-fraction", "0.1", "--verifier-pool"]) == 0
+    assert "of them the verifier pool's" in capsys.readouterr().out
+
+
+def test_trainer_tokens_per_gpu_follow_its_flops_per_token():
+    p = plan(small_workload(), costs_with(gpu_flops=8e14, trainer_flops_per_token_per_param=8))
+    assert p["trainer_tokens_per_s_per_gpu"] == pytest.approx(8e14 / (8 * 1e11))
