@@ -36,7 +36,13 @@ from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo
 
 from ..manifest import Manifest, manifest_sha256
-from .errors import BadPeerError, PeerNotAnnouncedError, PeerUnavailableError, SwarmError, SwarmNotRunningError
+from .errors import (
+    BadPeerError,
+    PeerNotAnnouncedError,
+    PeerUnavailableError,
+    SwarmError,
+    SwarmNotRunningError,
+)
 from .hints import PeerHint, PeerHints
 from .wire import (
     BITFIELD_LENGTH_SIZE,
@@ -143,6 +149,9 @@ class Swarm:
         self._host = new_host(key_pair=create_new_key_pair())
         self._host.set_stream_handler(TProtocol(PROTOCOL), self._handle)
         async with self._host.run(listen_addrs=[multiaddr.Multiaddr(self.listen)]), trio.open_nursery() as nursery:
+            # libp2p's auto-connector dials any peer in the peerstore (every peer that ever connected to us)
+            # to keep 50+ connections: a node dials only the peers the coordinator announced.
+            await self._host.get_network().auto_connector.stop()
             self._nursery, self._token = nursery, trio.lowlevel.current_trio_token()
             self.peer_id = self._host.get_id().to_base58()
             self.addrs = [str(a).split("/p2p/")[0] for a in self._host.get_addrs()]
@@ -280,13 +289,15 @@ class Swarm:
                 await stream.write(encode_request(op, digest))
         except trio.TooSlowError as exc:
             raise PeerUnavailableError(hint.peer_id, "unreachable", "no stream within the open timeout") from exc
-        except Exception as exc:  # noqa: BLE001 - any dial or negotiation failure: this peer is unreachable
+        except Exception as exc:  # any dial or negotiation failure means the same: this peer is unreachable
             raise PeerUnavailableError(hint.peer_id, "unreachable", f"{type(exc).__name__}: {exc}") from exc
         return stream
 
     async def _answer_header(self, hint: PeerHint, stream, length_size: int) -> int:
         timeout = self.limits.stream_timeout_s
         status = (await _read_exactly(stream, 1, timeout))[0]
+        if status == Status.NOT_HELD:
+            raise PeerUnavailableError(hint.peer_id, "not-held", "does not hold it")
         if status != Status.OK:
             name = Status(status).name if status in Status._value2member_map_ else str(status)
             raise PeerUnavailableError(hint.peer_id, "refused", f"answered {name}")

@@ -1,0 +1,202 @@
+"""The peer swarm: real libp2p hosts on 127.0.0.1, a real HTTP origin, real signatures.
+
+Skipped where libp2p is not installed (it is in the dev extra).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import shutil
+
+import pytest
+from shardcast_helpers import same_tree
+
+from veriroll.shardcast.fetch import fetch_version
+from veriroll.shardcast.manifest import verify_manifest
+from veriroll.shardcast.relay import RelayServer
+from veriroll.shardcast.store import MANIFEST_NAME, is_ready, version_dir
+
+pytest.importorskip("libp2p")
+import trio
+
+from veriroll.shardcast.swarm.errors import (
+    PeerHintsError,
+    PeerNotAnnouncedError,
+    PeerUnavailableError,
+    SwarmNotRunningError,
+)
+from veriroll.shardcast.swarm.hints import PeerHint, PeerHints, sign_peer_hints, verify_peer_hints
+from veriroll.shardcast.swarm.host import Swarm
+from veriroll.shardcast.swarm.wire import Refusal, SwarmLimits
+
+pytestmark = pytest.mark.timeout(120)
+LOOPBACK = "/ip4/127.0.0.1/tcp/0"
+FAST = {"connect_timeout": 2.0, "read_timeout": 2.0, "progress": False, "fsync": False}
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+@contextlib.asynccontextmanager
+async def started(*swarms: Swarm):
+    try:
+        for s in swarms:
+            await s.start()
+        yield swarms
+    finally:
+        for s in swarms:
+            await s.stop()
+
+
+def announce(node: Swarm, *peers: Swarm, version: int = 1) -> None:
+    node.announce(PeerHints(version, tuple(PeerHint(p.peer_id, tuple(p.addrs), (version,)) for p in peers)))
+
+
+def manifest_of(store, coord_key, version: int = 1):
+    return verify_manifest((version_dir(store, version) / MANIFEST_NAME).read_bytes(), coord_key.public)
+
+
+def test_a_node_fetches_a_version_from_a_peer_with_no_relay(store, checkpoint, coord_key, tmp_path):
+    async def go():
+        seed, node = Swarm(listen=LOOPBACK), Swarm(listen=LOOPBACK)
+        async with started(seed, node), RelayServer(store, coord_key.public, port=0) as origin:
+            seed.serve(version_dir(store, 1), manifest_of(store, coord_key))
+            announce(node, seed)
+            result = await fetch_version([origin.url], coord_key.public, tmp_path / "out", swarm=node, **FAST)
+            return result, origin.url, seed.bytes_served
+
+    result, origin_url, served = run(go())
+    assert same_tree(checkpoint, tmp_path / "out") and is_ready(tmp_path / "out")
+    assert result.shards_from_peers == len(result.manifest.shards)
+    assert result.relays[origin_url].bytes == 0  # the origin gave the manifest only
+    assert served == result.manifest.total_size and result.bad_peers == []
+
+
+def test_a_corrupting_peer_is_named_and_banned_and_no_bad_version_is_installed(
+    store, checkpoint, coord_key, tmp_path
+):
+    manifest = manifest_of(store, coord_key)
+    liar_dir = tmp_path / "liar"
+    shutil.copytree(version_dir(store, 1), liar_dir)
+    weights = manifest.shards_of("model.safetensors")
+    with open(liar_dir / "model.safetensors", "r+b") as f:  # one flipped byte in each weight shard
+        for shard in weights:
+            f.seek(shard.offset + 7)
+            byte = f.read(1)
+            f.seek(shard.offset + 7)
+            f.write(bytes([byte[0] ^ 0xFF]))
+
+    async def go():
+        liar, node = Swarm(listen=LOOPBACK), Swarm(listen=LOOPBACK)
+        async with started(liar, node), RelayServer(store, coord_key.public, port=0) as origin:
+            liar.serve(liar_dir, manifest)
+            announce(node, liar)
+            result = await fetch_version([origin.url], coord_key.public, tmp_path / "out", swarm=node, **FAST)
+            return result, liar.peer_id, list(node.bad_peers), node.peers_for(1)
+
+    result, liar_id, bad, still_announced = run(go())
+    assert same_tree(checkpoint, tmp_path / "out")  # every shard the liar altered came from the origin instead
+    # shards asked of it at once each count: every one is named, and the liar is banned after the first
+    assert {i.relay for i in result.bad_peers} == {liar_id}
+    assert {i.kind for i in result.bad_peers} == {Refusal.HASH_MISMATCH}
+    assert {b.peer_id for b in bad} == {liar_id} and still_announced == []
+
+
+class StallingSwarm(Swarm):
+    """Sends the first chunk of each shard, then nothing, holding the stream open."""
+
+    async def _send(self, stream, data: bytes, peer: str) -> None:
+        await stream.write(data[: len(data) // 2])
+        await trio.sleep(3600)
+
+
+def test_a_peer_that_stalls_mid_stream_is_dropped_and_the_shard_fetched_elsewhere(
+    store, checkpoint, coord_key, tmp_path
+):
+    async def go():
+        staller = StallingSwarm(listen=LOOPBACK)
+        node = Swarm(listen=LOOPBACK, limits=SwarmLimits(stream_timeout_s=0.5))
+        async with started(staller, node), RelayServer(store, coord_key.public, port=0) as origin:
+            staller.serve(version_dir(store, 1), manifest_of(store, coord_key))
+            announce(node, staller)
+            result = await fetch_version([origin.url], coord_key.public, tmp_path / "out", swarm=node, **FAST)
+            return result, staller.peer_id, node.refusals[Refusal.STALLED]
+
+    result, staller_id, stalls = run(go())
+    assert same_tree(checkpoint, tmp_path / "out")
+    assert result.shards_from_peers == 0 and result.bad_peers == [] and stalls >= 1
+    assert any(i.relay == staller_id and i.kind == Refusal.STALLED for i in result.failures)
+
+
+def test_a_flood_of_stream_openings_from_one_peer_is_refused_and_counted(store, coord_key):
+    manifest = manifest_of(store, coord_key)
+    shard = manifest.shards[0]
+
+    async def go():
+        server = Swarm(listen=LOOPBACK, limits=SwarmLimits(stream_rate_per_peer=1.0, stream_burst_per_peer=5,
+                                                           max_streams_per_peer=100))
+        flooder = Swarm(listen=LOOPBACK, limits=SwarmLimits(max_streams_per_peer=100))
+        async with started(server, flooder):
+            server.serve(version_dir(store, 1), manifest)
+            announce(flooder, server)
+            outcomes = await asyncio.gather(
+                *(flooder.fetch_shard(server.peer_id, shard.sha256, shard.size) for _ in range(30)),
+                return_exceptions=True,
+            )
+            return outcomes, server.refusals[Refusal.RATE_LIMITED]
+
+    outcomes, rate_limited = run(go())
+    refused = [o for o in outcomes if isinstance(o, PeerUnavailableError)]
+    served = [o for o in outcomes if isinstance(o, bytes)]
+    assert len(refused) + len(served) == 30
+    assert 5 <= len(served) < 30 and rate_limited == len(refused)
+    assert all(o.reason == "refused" and "RATE_LIMITED" in o.detail for o in refused)
+
+
+def test_a_peer_hint_outside_the_announced_set_is_refused(store, coord_key, other_key):
+    manifest = manifest_of(store, coord_key)
+    shard = manifest.shards[0]
+
+    async def go():
+        announced, stranger, node = (Swarm(listen=LOOPBACK) for _ in range(3))
+        async with started(announced, stranger, node):
+            stranger.serve(version_dir(store, 1), manifest)
+            wire = sign_peer_hints(coord_key, PeerHints(1, (PeerHint(announced.peer_id, tuple(announced.addrs), (1,)),)))
+            node.announce(verify_peer_hints(wire, coord_key.public))
+            with pytest.raises(PeerNotAnnouncedError):  # a peer the coordinator did not name
+                await node.fetch_shard(stranger.peer_id, shard.sha256, shard.size)
+            with pytest.raises(PeerNotAnnouncedError):  # an announced peer, at an address it was not announced at
+                await node.dial(announced.peer_id, stranger.addrs[0])
+            await node.dial(announced.peer_id, announced.addrs[0])
+            return node.refusals[Refusal.NOT_ANNOUNCED], node.peers_for(1)
+
+    refused, peers = run(go())
+    assert refused == 2 and len(peers) == 1
+
+
+def test_peer_hints_not_signed_by_the_coordinator_are_refused(coord_key, other_key):
+    hints = PeerHints(3, (PeerHint("12D3KooWQrU8SK48Zi67oCxsmbZneBLv9xyULZ646RbLJ8tSCmMh", ("/ip4/10.0.0.1/tcp/4001",), (3,)),))
+    assert verify_peer_hints(sign_peer_hints(coord_key, hints), coord_key.public) == hints
+    with pytest.raises(PeerHintsError, match="not signed"):
+        verify_peer_hints(sign_peer_hints(other_key, hints), coord_key.public)
+    with pytest.raises(PeerHintsError, match="parse"):
+        verify_peer_hints(b"{not json", coord_key.public)
+
+
+def test_stop_ends_the_host_thread_and_later_calls_say_so(store, coord_key):
+    shard = manifest_of(store, coord_key).shards[0]
+
+    async def go():
+        swarm, peer = Swarm(listen=LOOPBACK), Swarm(listen=LOOPBACK)
+        async with started(peer):
+            await swarm.start()
+            thread = swarm._thread
+            announce(swarm, peer)
+            await swarm.stop()
+            with pytest.raises(SwarmNotRunningError):
+                await swarm.fetch_shard(peer.peer_id, shard.sha256, shard.size)
+        return thread.is_alive()
+
+    assert run(go()) is False
