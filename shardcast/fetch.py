@@ -1255,23 +1255,32 @@ class _Fetch:
         if pieces:  # delta pieces come from relays only; a shard whose piece fails joins the rounds below
             accepted += await self._download_all(manifest, fds, pieces)
         remaining = {j.shard for j in todo if j.kind == SHARD} - self.done
+        # Nodes fetching at once take their shards from the relays in stripes: each starts at its own place
+        # in the shard list (by its rank among the peers), so what they fetch differs and they trade it.
+        everyone = sorted({*(p.peer_id for p in peers), self.swarm.peer_id})
+        start = everyone.index(self.swarm.peer_id) * len(manifest.shards) // len(everyone)
+        stripe = -(-len(manifest.shards) // len(everyone))
         while remaining:
             live = [p for p in peers if not p.skip]
             offered = {i: hs for i, hs in (await self._ask_peers(manifest, live)).items() if i in remaining}
-            if offered:
-                before = self.bytes_from_peers
-                await asyncio.gather(*(self._shard_from_peers(manifest, fds, i, hs) for i, hs in offered.items()))
-                accepted += self.bytes_from_peers - before
-                remaining -= self.done
-            if not remaining:
-                break
-            # What no peer has (or no peer gave) comes from the relays: all of it once no peer is left, else
-            # a small random batch, so that nodes fetching at once take different shards and trade them.
-            nobody = sorted(i for i in remaining if i not in offered) or sorted(remaining)
-            if any(not p.skip for p in peers):
-                nobody = random.sample(nobody, min(len(nobody), self.per_relay))
-            accepted += await self._download_all(manifest, fds, [_Job(SHARD, i) for i in nobody])
+            # What no peer has comes from the relays: all of it once no peer is left; else, while peers offer
+            # shards, nothing (they are what others fetch from the relays right now), and when they offer none,
+            # this node's stripe: about its share of the version, so that together the nodes fetch it once.
+            nobody = sorted((i for i in remaining if i not in offered), key=lambda i: (i - start) % len(manifest.shards))
+            if live:
+                nobody = [] if offered else nobody[: min(self.concurrency, stripe)]
+            before = self.bytes_from_peers
+            relayed = await asyncio.gather(
+                self._download_all(manifest, fds, [_Job(SHARD, i) for i in nobody]),
+                *(self._shard_from_peers(manifest, fds, i, hs) for i, hs in offered.items()),
+            )
+            accepted += relayed[0] + self.bytes_from_peers - before
             remaining -= self.done
+            if not nobody and not self.bytes_from_peers > before and remaining:
+                # Peers offered shards and gave none of them: those come from the relays next round.
+                offered_failed = sorted(remaining)[: self.concurrency]
+                accepted += await self._download_all(manifest, fds, [_Job(SHARD, i) for i in offered_failed])
+                remaining -= self.done
         return accepted
 
     async def _ask_peers(self, manifest: Manifest, peers: list[_Peer]) -> dict[int, list[_Peer]]:
@@ -1332,9 +1341,9 @@ class _Fetch:
             log.warning("peer %s served bad data (%s, shard %s): %s; banned", peer.peer_id, exc.reason, shard,
                         exc.detail)
             return
-        # A peer that stalled, could not be reached or is not announced is not asked again in this fetch; one
-        # that was busy or did not hold a shard it claimed is only skipped for that shard.
-        if exc.reason not in ("refused", "not-held"):
+        # A peer that stalled, could not be reached, is not announced, or lied about what it holds (only shards
+        # it listed are asked of it) is not asked again in this fetch; one that was busy only for that shard.
+        if exc.reason != "refused":
             peer.skip = True
         self.failures.append(incident)
         log.info("peer %s failed (%s, shard %s): %s", peer.peer_id, exc.reason, shard, exc.detail)

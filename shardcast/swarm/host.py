@@ -340,7 +340,12 @@ class Swarm:
         stream = await self._stream(hint, Op.HAVE, bytes.fromhex(manifest_sha256(manifest)))
         count = len(manifest.shards)
         try:
-            length = await self._answer_header(hint, stream, BITFIELD_LENGTH_SIZE)
+            try:
+                length = await self._answer_header(hint, stream, BITFIELD_LENGTH_SIZE)
+            except PeerUnavailableError as exc:
+                if exc.reason == "not-held":  # it holds no shard of this version (yet)
+                    return set()
+                raise
             if length != (count + 7) // 8:
                 await self._ban(hint.peer_id, Refusal.WRONG_LENGTH, f"a bitfield of {length} bytes for {count} shards")
             return decode_bitfield(await _read_exactly(stream, length, self.limits.stream_timeout_s), count)
