@@ -200,3 +200,63 @@ def test_stop_ends_the_host_thread_and_later_calls_say_so(store, coord_key):
         return thread.is_alive()
 
     assert run(go()) is False
+
+
+class LyingSwarm(Swarm):
+    """Says it holds every shard of every version it is asked about, and holds none."""
+
+    def __init__(self, manifest, **kwargs):
+        super().__init__(**kwargs)
+        self.fake = manifest
+
+    async def _answer(self, stream, peer: str) -> None:
+        request = await stream.read(33)
+        if request[0] == 2:  # HAVE: a full bitfield
+            bits = b"\xff" * ((len(self.fake.shards) + 7) // 8)
+            await stream.write(b"\x00" + len(bits).to_bytes(4, "big") + bits)
+        else:
+            await stream.write(b"\x01")  # GET: NOT_HELD
+
+
+def test_a_peer_lying_about_what_it_holds_costs_only_a_fall_back_to_the_origin(
+    store, checkpoint, coord_key, tmp_path
+):
+    async def go():
+        liar, node = LyingSwarm(manifest_of(store, coord_key), listen=LOOPBACK), Swarm(listen=LOOPBACK)
+        async with started(liar, node), RelayServer(store, coord_key.public, port=0) as origin:
+            announce(node, liar)
+            return await fetch_version([origin.url], coord_key.public, tmp_path / "out", swarm=node, **FAST)
+
+    result = run(go())
+    assert same_tree(checkpoint, tmp_path / "out") and result.shards_from_peers == 0
+    assert any(i.kind == "not-held" for i in result.failures) and result.bad_peers == []
+
+
+def test_nodes_fetching_at_once_trade_shards_and_the_origin_serves_fewer_copies(store, checkpoint, coord_key, tmp_path):
+    from veriroll.shardcast.swarm.loopback import broadcast_over_swarm
+
+    async def go():
+        async with RelayServer(store, coord_key.public, port=0) as origin:
+            return await broadcast_over_swarm([origin.url], coord_key.public, 1, 3, tmp_path / "nodes", fsync=False)
+
+    run_ = run(go())
+    assert all(same_tree(checkpoint, tmp_path / "nodes" / f"node-{i}") for i in range(3))
+    assert run_.peer_bytes > 0 and run_.origin_copies < 3 and run_.bad_peers == 0
+    assert len(run_.completion_s) == 3 and run_.time_to_fraction_s(0.95) == max(run_.completion_s)
+
+
+def test_a_node_serves_the_versions_it_fetched_to_its_peers(store, coord_key, tmp_path):
+    from veriroll.node.weights import RelayVersions
+
+    async def go():
+        first_swarm, second_swarm = Swarm(listen=LOOPBACK), Swarm(listen=LOOPBACK)
+        async with started(first_swarm, second_swarm), RelayServer(store, coord_key.public, port=0) as origin:
+            announce(second_swarm, first_swarm)
+            first = RelayVersions(tmp_path / "first", coord_key.public, swarm=first_swarm)
+            second = RelayVersions(tmp_path / "second", coord_key.public, swarm=second_swarm)
+            await first._fetch(1, [origin.url])
+            await second._fetch(1, [origin.url])
+            return first_swarm.bytes_served, second.path_for(1), second.bad_peers
+
+    served, path, bad = run(go())
+    assert served == manifest_of(store, coord_key).total_size and path is not None and bad == set()
