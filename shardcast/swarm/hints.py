@@ -11,12 +11,18 @@ node's address). The document travels as JSON::
 
 signed with Ed25519 over ``SIGNING_CONTEXT + canonical JSON`` (sorted keys, no whitespace), like the
 manifest.
+
+:class:`PeerDirectory` is the coordinator's side: it keeps what each node's heartbeat says about its
+swarm and signs the current list into the policy announcement.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import re
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from veriroll.protos.identity import PrivateKey, PublicKey
@@ -30,6 +36,7 @@ MAX_ADDRS = 8
 MAX_VERSIONS = 64
 _PEER_ID = re.compile(r"[1-9A-HJ-NP-Za-km-z]{20,128}")  # base58btc
 _ADDR = re.compile(r"/[A-Za-z0-9/._:-]{1,255}")
+_DIALABLE = re.compile(r"/(ip4|ip6)/([0-9A-Fa-f.:]+)/tcp/(\d{1,5})")
 
 
 @dataclass(frozen=True)
@@ -96,3 +103,81 @@ def verify_peer_hints(data: bytes, key: PublicKey) -> PeerHints:
             raise PeerHintsError(f"peer {p['peer_id']}: versions must be a list of at most {MAX_VERSIONS}")
         peers.append(PeerHint(p["peer_id"], tuple(addrs), tuple(_int(v, "a version") for v in versions)))
     return PeerHints(_int(body.get("version"), "the hints' version"), tuple(peers))
+
+
+def _same_host(addr: str, observed: str) -> bool:
+    """True when multiaddr ``addr`` is a TCP address at IP ``observed`` (where the node's request came from)."""
+    m = _DIALABLE.fullmatch(addr)
+    if m is None or not 0 < int(m.group(3)) < 65536:
+        return False
+    try:
+        ip, seen = ipaddress.ip_address(m.group(2)), ipaddress.ip_address(observed)
+    except ValueError:
+        return False
+    seen = getattr(seen, "ipv4_mapped", None) or seen
+    return ip == seen
+
+
+@dataclass
+class _Listing:
+    hint: PeerHint
+    seen: float
+
+
+class PeerDirectory:
+    """Which nodes serve which versions, from their heartbeats; signed into the policy announcement.
+
+    Only addresses at the IP a node's heartbeat came from are kept: a node cannot make the coordinator
+    send every other node to dial a host of its choosing. A node not heard from for ``ttl_s`` is dropped.
+    The signed document is cached: signed again when the list changes, or every ``resign_s`` to drop the
+    nodes gone silent (one Ed25519 signature per GetPolicy would be cheap, but the list is the same for all).
+    """
+
+    def __init__(self, key: PrivateKey, *, ttl_s: float = 60.0, resign_s: float = 5.0, max_peers: int = MAX_PEERS,
+                 clock: Callable[[], float] = time.monotonic):
+        self.key, self.ttl_s, self.resign_s, self.max_peers, self.clock = key, ttl_s, resign_s, max_peers, clock
+        self._listings: dict[str, _Listing] = {}  # node id -> its latest swarm listing
+        self._signed: tuple[int, float, bytes] | None = None  # (version, when, document)
+
+    def record(self, node_id: str, peer_id: str, addrs: Sequence[str], versions: Sequence[int], observed: str) -> None:
+        """What node ``node_id``'s heartbeat (from IP ``observed``) said about its swarm; an empty ``peer_id``
+        (no swarm, or it stopped) removes the node. Raises PeerHintsError for a malformed peer id."""
+        if not peer_id:
+            self._drop(node_id)
+            return
+        if not _PEER_ID.fullmatch(peer_id):
+            raise PeerHintsError("swarm_peer_id is not a base58 libp2p peer id")
+        dialable = tuple(a for a in dict.fromkeys(addrs) if _same_host(a, observed))[:MAX_ADDRS]
+        served = tuple(sorted({int(v) for v in versions if 0 <= v < 2**53}))[-MAX_VERSIONS:]
+        if not dialable or not served:
+            self._drop(node_id)
+            return
+        if node_id not in self._listings and len(self._listings) >= self.max_peers:
+            self._expire()
+            if len(self._listings) >= self.max_peers:
+                return  # full: the nodes already listed serve the swarm; this one still fetches from them
+        hint = PeerHint(peer_id, dialable, served)
+        old = self._listings.get(node_id)
+        if old is None or old.hint != hint:
+            self._signed = None  # the announcement changes at once; only a node's being seen again does not
+        self._listings[node_id] = _Listing(hint, self.clock())
+
+    def _drop(self, node_id: str) -> None:
+        if self._listings.pop(node_id, None) is not None:
+            self._signed = None
+
+    def _expire(self) -> None:
+        now = self.clock()
+        for node_id in [n for n, listing in self._listings.items() if now - listing.seen > self.ttl_s]:
+            self._drop(node_id)
+
+    def signed(self, version: int) -> bytes:
+        """The signed hints to announce with policy ``version``: every node heard from lately."""
+        now = self.clock()
+        if self._signed is not None and self._signed[0] == version and now - self._signed[1] < self.resign_s:
+            return self._signed[2]
+        self._expire()
+        hints = PeerHints(version, tuple(sorted((listing.hint for listing in self._listings.values()), key=lambda h: h.peer_id)))
+        document = sign_peer_hints(self.key, hints)
+        self._signed = (version, now, document)
+        return document

@@ -21,7 +21,6 @@ pytest.importorskip("libp2p")
 import trio
 
 from veriroll.shardcast.swarm.errors import (
-    PeerHintsError,
     PeerNotAnnouncedError,
     PeerUnavailableError,
     SwarmNotRunningError,
@@ -174,15 +173,6 @@ def test_a_peer_hint_outside_the_announced_set_is_refused(store, coord_key, othe
 
     refused, peers = run(go())
     assert refused == 2 and len(peers) == 1
-
-
-def test_peer_hints_not_signed_by_the_coordinator_are_refused(coord_key, other_key):
-    hints = PeerHints(3, (PeerHint("12D3KooWQrU8SK48Zi67oCxsmbZneBLv9xyULZ646RbLJ8tSCmMh", ("/ip4/10.0.0.1/tcp/4001",), (3,)),))
-    assert verify_peer_hints(sign_peer_hints(coord_key, hints), coord_key.public) == hints
-    with pytest.raises(PeerHintsError, match="not signed"):
-        verify_peer_hints(sign_peer_hints(other_key, hints), coord_key.public)
-    with pytest.raises(PeerHintsError, match="parse"):
-        verify_peer_hints(b"{not json", coord_key.public)
 
 
 def test_stop_ends_the_host_thread_and_later_calls_say_so(store, coord_key):
