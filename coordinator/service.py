@@ -46,7 +46,7 @@ from veriroll.protos.identity import PublicKey, public_key_problem
 from veriroll.protos.reasons import Reason
 from veriroll.protos.service import METHODS, UPGRADE_COMMAND, full_method
 from veriroll.protos.v1 import coordinator_pb2 as pb
-from veriroll.shardcast.swarm.hints import PeerDirectory, PeerHintsError
+from veriroll.shardcast.swarm.hints import PeerDirectory, peer_id_problem
 
 log = logging.getLogger("veriroll.coordinator")
 
@@ -261,15 +261,14 @@ class CoordinatorService:
                                    policy=self.policy_info())
 
     async def heartbeat(self, node: NodeInfo, req: pb.HeartbeatRequest, *, peer: str = "unknown") -> pb.HeartbeatResponse:
+        if (problem := peer_id_problem(req.swarm_peer_id)) is not None:  # before anything changes
+            raise Refusal(Reason.MALFORMED, problem)
         now = await self.ledger.touch(node, int(req.loaded_version), st.Session(req.session_id, peer),
                                       stopping=req.stopping)
         if isinstance(now, st.LiveSession):
             raise self._key_in_use(now)
         if self.peer_directory is not None:
-            try:
-                self.peer_directory.record(node.node_id, req.swarm_peer_id, req.swarm_addrs, req.swarm_versions, peer)
-            except PeerHintsError as exc:
-                raise Refusal(Reason.MALFORMED, str(exc)) from exc
+            self.peer_directory.record(node.node_id, req.swarm_peer_id, req.swarm_addrs, req.swarm_versions, peer)
         return pb.HeartbeatResponse(server_time_ms=now, policy_version=self.policy.version, standing=node.standing)
 
     def _key_in_use(self, live: st.LiveSession) -> Refusal:

@@ -105,6 +105,13 @@ def verify_peer_hints(data: bytes, key: PublicKey) -> PeerHints:
     return PeerHints(_int(body.get("version"), "the hints' version"), tuple(peers))
 
 
+def peer_id_problem(peer_id: str) -> str | None:
+    """Why ``peer_id`` (from a heartbeat; empty: no swarm) cannot be announced, or None."""
+    if peer_id and not _PEER_ID.fullmatch(peer_id):
+        return "swarm_peer_id is not a base58 libp2p peer id"
+    return None
+
+
 def _same_host(addr: str, observed: str) -> bool:
     """True when multiaddr ``addr`` is a TCP address at IP ``observed`` (where the node's request came from)."""
     m = _DIALABLE.fullmatch(addr)
@@ -145,8 +152,9 @@ class PeerDirectory:
         if not peer_id:
             self._drop(node_id)
             return
-        if not _PEER_ID.fullmatch(peer_id):
-            raise PeerHintsError("swarm_peer_id is not a base58 libp2p peer id")
+        problem = peer_id_problem(peer_id)
+        if problem is not None:
+            raise PeerHintsError(problem)
         dialable = tuple(a for a in dict.fromkeys(addrs) if _same_host(a, observed))[:MAX_ADDRS]
         served = tuple(sorted({int(v) for v in versions if 0 <= v < 2**53}))[-MAX_VERSIONS:]
         if not dialable or not served:
