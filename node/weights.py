@@ -185,6 +185,25 @@ class RelayVersions:
         self._prune(version)
         return self._dir(version)
 
+    def swarm_listing(self) -> dict:
+        """This node's swarm as HeartbeatRequest fields, for the coordinator to announce to the other nodes."""
+        if self.swarm is None:
+            return {}
+        return {"swarm_peer_id": self.swarm.peer_id, "swarm_addrs": list(self.swarm.addrs),
+                "swarm_versions": sorted(self._served)}
+
+    def take_peer_hints(self, document: bytes) -> None:
+        """The peers announced in the policy (``PolicyInfo.peer_hints``): the only ones this node dials."""
+        if self.swarm is None or not document or self.coordinator_key is None:
+            return
+        from veriroll.shardcast.swarm.errors import PeerHintsError
+        from veriroll.shardcast.swarm.hints import verify_peer_hints
+
+        try:
+            self.swarm.announce(verify_peer_hints(document, self.coordinator_key))
+        except PeerHintsError as exc:  # keep the peers announced before: a forged list changes nothing
+            log.warning("peer hints refused: %s", exc)
+
     def _serve_held(self) -> None:
         """Serve to peers the versions this node held before it started (once each)."""
         if self.swarm is None:

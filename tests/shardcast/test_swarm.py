@@ -235,18 +235,23 @@ def test_nodes_fetching_at_once_trade_shards_and_the_origin_serves_fewer_copies(
     assert len(run_.completion_s) == 3 and run_.time_to_fraction_s(0.95) == max(run_.completion_s)
 
 
-def test_a_node_serves_the_versions_it_fetched_to_its_peers(store, coord_key, tmp_path):
+def test_a_node_learns_its_peers_from_signed_hints_and_serves_what_it_fetched(store, coord_key, other_key, tmp_path):
     from veriroll.node.weights import RelayVersions
 
     async def go():
         first_swarm, second_swarm = Swarm(listen=LOOPBACK), Swarm(listen=LOOPBACK)
         async with started(first_swarm, second_swarm), RelayServer(store, coord_key.public, port=0) as origin:
-            announce(second_swarm, first_swarm)
             first = RelayVersions(tmp_path / "first", coord_key.public, swarm=first_swarm)
             second = RelayVersions(tmp_path / "second", coord_key.public, swarm=second_swarm)
             await first._fetch(1, [origin.url])
+            listing = first.swarm_listing()
+            hint = PeerHint(listing["swarm_peer_id"], tuple(listing["swarm_addrs"]), tuple(listing["swarm_versions"]))
+            second.take_peer_hints(sign_peer_hints(other_key, PeerHints(1, (hint,))))  # forged: ignored
+            forged_peers = second_swarm.peers_for(1)
+            second.take_peer_hints(sign_peer_hints(coord_key, PeerHints(1, (hint,))))
             await second._fetch(1, [origin.url])
-            return first_swarm.bytes_served, second.path_for(1), second.bad_peers
+            return forged_peers, listing, first_swarm.bytes_served, second.path_for(1), second.bad_peers
 
-    served, path, bad = run(go())
+    forged_peers, listing, served, path, bad = run(go())
+    assert forged_peers == [] and listing["swarm_versions"] == [1]
     assert served == manifest_of(store, coord_key).total_size and path is not None and bad == set()
