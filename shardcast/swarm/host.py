@@ -62,6 +62,7 @@ log = logging.getLogger("veriroll.shardcast.swarm")
 
 CHUNK = 1024 * 1024
 STOP_TIMEOUT_S = 5.0
+MAX_TRACKED_PEERS = 4096  # rate-limit buckets kept before idle ones are dropped
 
 
 @dataclass(frozen=True)
@@ -373,6 +374,10 @@ class Swarm:
     def _admit(self, peer: str) -> Status | None:
         """None when ``peer`` may open this stream, else the status to refuse it with (and it is counted)."""
         limits = self.limits
+        if len(self._buckets) > MAX_TRACKED_PEERS:  # many peer ids (keys are free): forget those gone quiet,
+            now = trio.current_time()  # whose buckets have refilled (dropping one forgives nothing)
+            refill_s = limits.stream_burst_per_peer / limits.stream_rate_per_peer
+            self._buckets = {p: b for p, b in self._buckets.items() if now - b.last < refill_s}
         if peer in self._banned:
             refusal, status = Refusal.BANNED, Status.BANNED
         else:
@@ -403,6 +408,8 @@ class Swarm:
                 await self._answer(stream, peer)
             finally:
                 self._open[peer] -= 1
+                if not self._open[peer]:
+                    del self._open[peer]
         except Exception as exc:  # noqa: BLE001 - one peer's broken stream must never take the host down
             log.debug("stream from %s ended: %r", peer, exc)
         finally:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import os
 import time
 from collections.abc import Sequence
@@ -41,7 +42,8 @@ class SwarmBroadcast:
     def time_to_fraction_s(self, fraction: float) -> float:
         """Seconds until ``fraction`` of the nodes held the version (0.95: the issue's ``time_to_95pct_s``)."""
         done = sorted(self.completion_s)
-        return done[max(0, min(len(done), -(-int(fraction * 1000) * len(done) // 1000)) - 1)]
+        needed = math.ceil(round(fraction * len(done), 9))  # round: 0.95 * 20 must need 19 nodes, not 20
+        return done[min(len(done), max(1, needed)) - 1]
 
 
 async def broadcast_over_swarm(
