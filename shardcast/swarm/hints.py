@@ -37,6 +37,7 @@ MAX_VERSIONS = 64
 _PEER_ID = re.compile(r"[1-9A-HJ-NP-Za-km-z]{20,128}")  # base58btc
 _ADDR = re.compile(r"/[A-Za-z0-9/._:-]{1,255}")
 _DIALABLE = re.compile(r"/(ip4|ip6)/([0-9A-Fa-f.:]+)/tcp/(\d{1,5})")
+_CIRCUIT = re.compile(r"(/(?:ip4|ip6)/[0-9A-Fa-f.:]+/tcp/\d{1,5})/p2p/([1-9A-HJ-NP-Za-km-z]{20,128})/p2p-circuit")
 
 
 @dataclass(frozen=True)
@@ -134,8 +135,9 @@ class _Listing:
 class PeerDirectory:
     """Which nodes serve which versions, from their heartbeats; signed into the policy announcement.
 
-    Only addresses at the IP a node's heartbeat came from are kept: a node cannot make the coordinator
-    send every other node to dial a host of its choosing. A node not heard from for ``ttl_s`` is dropped.
+    Only addresses at the IP a node's heartbeat came from are kept, and circuits through a listed node at
+    its listed address (a node behind NAT): a node cannot make the coordinator send every other node to
+    dial a host of its choosing. A node not heard from for ``ttl_s`` is dropped.
     The signed document is cached: signed again when the list changes, or every ``resign_s`` to drop the
     nodes gone silent (one Ed25519 signature per GetPolicy would be cheap, but the list is the same for all).
     """
@@ -155,7 +157,8 @@ class PeerDirectory:
         problem = peer_id_problem(peer_id)
         if problem is not None:
             raise PeerHintsError(problem)
-        dialable = tuple(a for a in dict.fromkeys(addrs) if _same_host(a, observed))[:MAX_ADDRS]
+        dialable = tuple(a for a in dict.fromkeys(addrs) if _same_host(a, observed) or self._listed_circuit(a))
+        dialable = dialable[:MAX_ADDRS]
         served = tuple(sorted({int(v) for v in versions if 0 <= v < 2**53}))[-MAX_VERSIONS:]
         if not dialable or not served:
             self._drop(node_id)
@@ -169,6 +172,16 @@ class PeerDirectory:
         if old is None or old.hint != hint:
             self._signed = None  # the announcement changes at once; only a node's being seen again does not
         self._listings[node_id] = _Listing(hint, self.clock())
+
+    def _listed_circuit(self, addr: str) -> bool:
+        """True when ``addr`` is a circuit (``<relay addr>/p2p/<relay id>/p2p-circuit``) through a listed node,
+        at an address that node is listed at: a node behind NAT is announced only through relays we know."""
+        m = _CIRCUIT.fullmatch(addr)
+        if m is None:
+            return False
+        relay_addr, relay_id = m.group(1), m.group(2)
+        return any(listing.hint.peer_id == relay_id and relay_addr in listing.hint.addrs
+                   for listing in self._listings.values())
 
     def _drop(self, node_id: str) -> None:
         if self._listings.pop(node_id, None) is not None:

@@ -12,6 +12,11 @@ once, streams opened per second (token bucket), request size, and a timeout on e
 Fetching (``fetch_shard``): only peers the coordinator announced (``announce``), only at the addresses
 it announced; the answer's length must be the manifest's size, and its hash the manifest's hash. A
 peer that sends anything else is banned for the life of the swarm and listed in ``bad_peers``.
+
+NAT: libp2p's circuit relay v2. A swarm started with ``relay=True`` relays for others (a node, or an
+HTTP relay's machine, with an open port); a node with no inbound port ``reserve``s a slot on one and is
+reachable at the circuit address it returns (``<relay addr>/p2p/<relay id>/p2p-circuit``), which the
+node announces like any other; a peer dials it through the relay.
 """
 
 from __future__ import annotations
@@ -34,6 +39,10 @@ from libp2p.crypto.ed25519 import create_new_key_pair
 from libp2p.custom_types import TProtocol
 from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo
+from libp2p.relay.circuit_v2 import PROTOCOL_ID as HOP_PROTOCOL
+from libp2p.relay.circuit_v2 import CircuitV2Protocol, CircuitV2Transport, RelayLimits
+from libp2p.relay.circuit_v2.config import RelayConfig, RelayRole
+from libp2p.tools.anyio_service import background_trio_service
 
 from ..manifest import Manifest, manifest_sha256
 from .errors import (
@@ -62,6 +71,9 @@ log = logging.getLogger("veriroll.shardcast.swarm")
 
 CHUNK = 1024 * 1024
 STOP_TIMEOUT_S = 5.0
+# What a relaying swarm gives the peers behind NAT: circuits of an hour and 4 GiB at most (a few versions),
+# 64 at once, 128 reservations.
+RELAY_LIMITS = RelayLimits(duration=3600, data=4 << 30, max_circuit_conns=64, max_reservations=128)
 MAX_TRACKED_PEERS = 4096  # rate-limit buckets kept before idle ones are dropped
 
 
@@ -104,8 +116,9 @@ async def _read_exactly(stream, n: int, timeout: float) -> bytes:
 class Swarm:
     """A libp2p host in a thread of its own, driven from asyncio. ``start`` before use, ``stop`` after."""
 
-    def __init__(self, *, listen: str = "/ip4/0.0.0.0/tcp/0", limits: SwarmLimits | None = None):
+    def __init__(self, *, listen: str = "/ip4/0.0.0.0/tcp/0", limits: SwarmLimits | None = None, relay: bool = False):
         self.listen = listen
+        self.relay = relay
         self.limits = limits or SwarmLimits()
         self.peer_id = ""
         self.addrs: list[str] = []
@@ -124,6 +137,7 @@ class Swarm:
         self._token: trio.lowlevel.TrioToken | None = None
         self._nursery: trio.Nursery | None = None
         self._host = None
+        self._circuits: CircuitV2Transport | None = None
 
     # ---- life cycle
 
@@ -149,7 +163,14 @@ class Swarm:
     async def _run(self, started: Callable[[], None]) -> None:
         self._host = new_host(key_pair=create_new_key_pair())
         self._host.set_stream_handler(TProtocol(PROTOCOL), self._handle)
-        async with self._host.run(listen_addrs=[multiaddr.Multiaddr(self.listen)]), trio.open_nursery() as nursery:
+        # Circuit relay v2: every swarm can be reached through a relay and dial through one; only a swarm
+        # started with relay=True carries other peers' circuits (bounded by RELAY_LIMITS).
+        circuits = CircuitV2Protocol(self._host, limits=RELAY_LIMITS, allow_hop=self.relay)
+        roles = RelayRole.STOP | RelayRole.CLIENT | (RelayRole.HOP if self.relay else RelayRole(0))
+        async with self._host.run(listen_addrs=[multiaddr.Multiaddr(self.listen)]), \
+                background_trio_service(circuits), trio.open_nursery() as nursery:
+            await circuits.event_started.wait()
+            self._circuits = CircuitV2Transport(self._host, circuits, RelayConfig(roles=roles, limits=RELAY_LIMITS))
             # libp2p's auto-connector dials any peer in the peerstore (every peer that ever connected to us)
             # to keep 50+ connections: a node dials only the peers the coordinator announced.
             await self._host.get_network().auto_connector.stop()
@@ -257,7 +278,17 @@ class Swarm:
     async def dial(self, peer_id: str, addr: str | None = None) -> None:
         """Connect to announced peer ``peer_id`` (at ``addr``, which must be one of its announced addresses)."""
         hint = self._hint(peer_id, addr)
-        await self._call(self._connect, peer_id, [addr] if addr is not None else list(hint.addrs))
+        if addr is not None:
+            hint = PeerHint(peer_id, (addr,), hint.versions)
+        await self._call(self._connect_within_timeout, hint)
+
+    async def reserve(self, relay_peer_id: str, relay_addr: str) -> str:
+        """Reserve a slot on relay ``relay_peer_id`` (a swarm with ``relay=True``, at ``relay_addr``, which
+        the caller got from the coordinator's hints or its own config); the circuit address peers reach this
+        node at, which is added to ``addrs``."""
+        circuit = await self._call(self._reserve, relay_peer_id, relay_addr)
+        self.addrs.append(circuit)
+        return circuit
 
     async def fetch_shard(self, peer_id: str, sha256: str, size: int) -> bytes:
         """The ``size`` bytes whose SHA-256 is ``sha256``, from ``peer_id``, hashed on arrival.
@@ -275,17 +306,47 @@ class Swarm:
 
     # ---- trio side: client
 
-    async def _connect(self, peer_id: str, addrs: list[str]) -> None:
-        info = PeerInfo(ID.from_base58(peer_id), [multiaddr.Multiaddr(a) for a in addrs])
-        with trio.fail_after(self.limits.open_timeout_s):
-            await self._host.connect(info)
+    async def _connect_within_timeout(self, hint: PeerHint) -> None:
+        try:
+            with trio.fail_after(self.limits.open_timeout_s):
+                await self._connect_announced(hint)
+        except trio.TooSlowError as exc:
+            raise PeerUnavailableError(hint.peer_id, "unreachable", "not connected within the open timeout") from exc
+
+    async def _reserve(self, relay_peer_id: str, relay_addr: str) -> str:
+        relay = ID.from_base58(relay_peer_id)
+        try:
+            with trio.fail_after(self.limits.open_timeout_s):
+                await self._host.connect(PeerInfo(relay, [multiaddr.Multiaddr(relay_addr)]))
+                stream = await self._host.new_stream(relay, [HOP_PROTOCOL])
+                reserved = await self._circuits.reserve(stream, relay, self._nursery)
+        except Exception as exc:  # any dial, negotiation or refusal means the same: no slot on this relay
+            raise PeerUnavailableError(relay_peer_id, "no-reservation", f"{type(exc).__name__}: {exc}") from exc
+        if not reserved:
+            raise PeerUnavailableError(relay_peer_id, "no-reservation", "the relay refused a reservation")
+        return f"{relay_addr}/p2p/{relay_peer_id}/p2p-circuit"
+
+    async def _connect_announced(self, hint: PeerHint) -> None:
+        """Connect to ``hint``'s peer at its announced addresses: direct ones first, then through a relay."""
+        peer = ID.from_base58(hint.peer_id)
+        direct = [multiaddr.Multiaddr(a) for a in hint.addrs if "/p2p-circuit" not in a]
+        if direct:
+            try:
+                await self._host.connect(PeerInfo(peer, direct))
+                return
+            except Exception:  # unreachable directly (behind NAT?): its circuits, if it announced any, remain
+                if len(direct) == len(hint.addrs):
+                    raise
+        for addr in (a for a in hint.addrs if "/p2p-circuit" in a):
+            await self._circuits.dial(multiaddr.Multiaddr(f"{addr}/p2p/{hint.peer_id}"))
+            return
 
     async def _stream(self, hint: PeerHint, op: Op, digest: bytes):
         try:
             with trio.fail_after(self.limits.open_timeout_s):
                 peer = ID.from_base58(hint.peer_id)
                 if peer not in self._host.get_connected_peers():
-                    await self._host.connect(PeerInfo(peer, [multiaddr.Multiaddr(a) for a in hint.addrs]))
+                    await self._connect_announced(hint)
                 stream = await self._host.new_stream(peer, [TProtocol(PROTOCOL)])
                 await stream.write(encode_request(op, digest))
         except trio.TooSlowError as exc:

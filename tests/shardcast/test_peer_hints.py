@@ -52,6 +52,12 @@ def test_the_directory_announces_only_addresses_at_the_ip_a_heartbeat_came_from_
     assert hints == PeerHints(5, (PeerHint(PEER, ("/ip4/203.0.113.7/tcp/4001",), (4, 5)),))
     with pytest.raises(PeerHintsError):
         directory.record("node-c", "not a peer id!", ["/ip4/203.0.113.9/tcp/1"], [5], "203.0.113.9")
+    # Behind NAT: reachable through node-a, which is listed at that address; not through an unknown relay.
+    through_a = f"/ip4/203.0.113.7/tcp/4001/p2p/{PEER}/p2p-circuit"
+    through_stranger = f"/ip4/192.0.2.1/tcp/4001/p2p/{OTHER}/p2p-circuit"
+    directory.record("node-b", OTHER, [through_a, through_stranger, "/ip4/10.0.0.2/tcp/4001"], [5], "203.0.113.8")
+    peers = {p.peer_id: p for p in verify_peer_hints(directory.signed(5), key.public).peers}
+    assert peers[OTHER] == PeerHint(OTHER, (through_a,), (5,))
     clock.now += 61
     assert verify_peer_hints(directory.signed(6), key.public).peers == ()
 

@@ -255,3 +255,21 @@ def test_a_node_learns_its_peers_from_signed_hints_and_serves_what_it_fetched(st
     forged_peers, listing, served, path, bad = run(go())
     assert forged_peers == [] and listing["swarm_versions"] == [1]
     assert served == manifest_of(store, coord_key).total_size and path is not None and bad == set()
+
+
+def test_a_node_with_no_inbound_port_serves_peers_through_a_circuit_relay(store, coord_key):
+    manifest = manifest_of(store, coord_key)
+
+    async def go():
+        relay, natted, node = Swarm(listen=LOOPBACK, relay=True), Swarm(listen=LOOPBACK), Swarm(listen=LOOPBACK)
+        async with started(relay, natted, node):
+            natted.serve(version_dir(store, 1), manifest)
+            circuit = await natted.reserve(relay.peer_id, relay.addrs[0])
+            # Announced at its circuit address only, as a node behind NAT is: the node reaches it via the relay.
+            node.announce(PeerHints(1, (PeerHint(natted.peer_id, (circuit,), (1,)),)))
+            shards = [await node.fetch_shard(natted.peer_id, s.sha256, s.size) for s in manifest.shards[:3]]
+            return circuit, relay.peer_id, shards, natted.bytes_served
+
+    circuit, relay_id, shards, served = run(go())
+    assert circuit.endswith(f"/p2p/{relay_id}/p2p-circuit")
+    assert shards and served == sum(len(s) for s in shards) == sum(s.size for s in manifest.shards[:3])
