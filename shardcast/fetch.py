@@ -38,12 +38,13 @@ it can serve the delta in turn.
 
 Peers (``swarm``, ``swarm/host.py``): with a running Swarm, shards come from peers first, HTTP relays
 after, in rounds. Each round asks every announced peer holding the version which of its shards it has
-(one stream per peer), fetches those from peers chosen at random weighted by measured throughput, then
-downloads a batch of the shards no peer has from the relays (in random order, so that nodes fetching at
-once take different shards from the origin and trade them). A peer's bytes are hashed on arrival like a
-relay's; a peer that sends bad ones is banned by the swarm and named in ``FetchResult.bad_peers``; a peer
-that stalls, refuses or lied about what it holds only costs a fall back to the next source. Every shard
-verified here is served to peers at once, and the version whole once it is ready.
+(one stream per peer) and fetches those from peers chosen at random, weighted by measured throughput.
+When no peer offers anything, the node downloads its stripe from the relays: about its share of the
+shards, starting at its own place in the list (by its rank among the peers), so that nodes fetching at
+once take different shards from the origin and then trade them. A peer's bytes are hashed on arrival
+like a relay's; a peer that sends bad ones is banned by the swarm and named in ``FetchResult.bad_peers``;
+one that stalls, cannot be reached or lied about what it holds only costs a fall back to the next
+source. Every shard verified here is served to peers at once, and the version whole once it is ready.
 
 Downloads go into ``<parent>/.<name>.shardcast-partial/`` with a journal of finished shards; a fetch
 that is interrupted (killed, disk full, relays gone) and run again skips the shards it already has,
@@ -134,7 +135,8 @@ _CONTENT_RANGE = re.compile(r"bytes (\d+)-(\d+)/(\d+|\*)")
 
 @dataclass(frozen=True)
 class RelayIncident:
-    """Something a relay (or a peer of the swarm: ``relay`` is then its peer id) did wrong. ``kind`` is a short tag: for bad relays ``hash-mismatch``,
+    """Something a relay (or a peer of the swarm: ``relay`` is then its peer id) did wrong. ``kind`` is a
+    short tag: for bad relays ``hash-mismatch``,
     ``wrong-length``, ``bad-signature``, ``wrong-version``, ``invalid-manifest``; for failures
     ``timeout``, ``connection``, ``truncated``, ``http-<status>``, ``gone``."""
 
@@ -1260,13 +1262,17 @@ class _Fetch:
         everyone = sorted({*(p.peer_id for p in peers), self.swarm.peer_id})
         start = everyone.index(self.swarm.peer_id) * len(manifest.shards) // len(everyone)
         stripe = -(-len(manifest.shards) // len(everyone))
+
+        def stripe_first(shards) -> list[int]:
+            return sorted(shards, key=lambda i: (i - start) % len(manifest.shards))
+
         while remaining:
             live = [p for p in peers if not p.skip]
             offered = {i: hs for i, hs in (await self._ask_peers(manifest, live)).items() if i in remaining}
             # What no peer has comes from the relays: all of it once no peer is left; else, while peers offer
             # shards, nothing (they are what others fetch from the relays right now), and when they offer none,
             # this node's stripe: about its share of the version, so that together the nodes fetch it once.
-            nobody = sorted((i for i in remaining if i not in offered), key=lambda i: (i - start) % len(manifest.shards))
+            nobody = stripe_first(i for i in remaining if i not in offered)
             if live:
                 nobody = [] if offered else nobody[: min(self.concurrency, stripe)]
             before = self.bytes_from_peers
@@ -1276,10 +1282,10 @@ class _Fetch:
             )
             accepted += relayed[0] + self.bytes_from_peers - before
             remaining -= self.done
-            if not nobody and not self.bytes_from_peers > before and remaining:
-                # Peers offered shards and gave none of them: those come from the relays next round.
-                offered_failed = sorted(remaining)[: self.concurrency]
-                accepted += await self._download_all(manifest, fds, [_Job(SHARD, i) for i in offered_failed])
+            if not nobody and self.bytes_from_peers == before and remaining:
+                # Peers offered shards and gave none of them: those come from the relays instead.
+                batch = stripe_first(remaining)[: self.concurrency]
+                accepted += await self._download_all(manifest, fds, [_Job(SHARD, i) for i in batch])
                 remaining -= self.done
         return accepted
 
