@@ -268,7 +268,8 @@ class CoordinatorService:
         if isinstance(now, st.LiveSession):
             raise self._key_in_use(now)
         if self.peer_directory is not None:
-            self.peer_directory.record(node.node_id, req.swarm_peer_id, req.swarm_addrs, req.swarm_versions, peer)
+            self.peer_directory.record(node.node_id, req.swarm_peer_id, req.swarm_addrs, req.swarm_versions, peer,
+                                       req.bad_peers)
         return pb.HeartbeatResponse(server_time_ms=now, policy_version=self.policy.version, standing=node.standing)
 
     def _key_in_use(self, live: st.LiveSession) -> Refusal:

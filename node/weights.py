@@ -190,7 +190,7 @@ class RelayVersions:
         if self.swarm is None:
             return {}
         return {"swarm_peer_id": self.swarm.peer_id, "swarm_addrs": list(self.swarm.addrs),
-                "swarm_versions": sorted(self._served)}
+                "swarm_versions": sorted(self._served)[-64:], "bad_peers": sorted(self.bad_peers)[:16]}
 
     def take_peer_hints(self, document: bytes) -> None:
         """The peers announced in the policy (``PolicyInfo.peer_hints``): the only ones this node dials."""

@@ -66,7 +66,7 @@ class RegisterResponse(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., standing: _Optional[str] = ..., server_time_ms: _Optional[int] = ..., policy: _Optional[_Union[PolicyInfo, _Mapping]] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("loaded_version", "leases_in_flight", "tokens_per_s", "session_id", "stopping", "swarm_peer_id", "swarm_addrs", "swarm_versions")
+    __slots__ = ("loaded_version", "leases_in_flight", "tokens_per_s", "session_id", "stopping", "swarm_peer_id", "swarm_addrs", "swarm_versions", "bad_peers")
     LOADED_VERSION_FIELD_NUMBER: _ClassVar[int]
     LEASES_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
     TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
@@ -75,6 +75,7 @@ class HeartbeatRequest(_message.Message):
     SWARM_PEER_ID_FIELD_NUMBER: _ClassVar[int]
     SWARM_ADDRS_FIELD_NUMBER: _ClassVar[int]
     SWARM_VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    BAD_PEERS_FIELD_NUMBER: _ClassVar[int]
     loaded_version: int
     leases_in_flight: int
     tokens_per_s: float
@@ -83,7 +84,8 @@ class HeartbeatRequest(_message.Message):
     swarm_peer_id: str
     swarm_addrs: _containers.RepeatedScalarFieldContainer[str]
     swarm_versions: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, loaded_version: _Optional[int] = ..., leases_in_flight: _Optional[int] = ..., tokens_per_s: _Optional[float] = ..., session_id: _Optional[str] = ..., stopping: _Optional[bool] = ..., swarm_peer_id: _Optional[str] = ..., swarm_addrs: _Optional[_Iterable[str]] = ..., swarm_versions: _Optional[_Iterable[int]] = ...) -> None: ...
+    bad_peers: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, loaded_version: _Optional[int] = ..., leases_in_flight: _Optional[int] = ..., tokens_per_s: _Optional[float] = ..., session_id: _Optional[str] = ..., stopping: _Optional[bool] = ..., swarm_peer_id: _Optional[str] = ..., swarm_addrs: _Optional[_Iterable[str]] = ..., swarm_versions: _Optional[_Iterable[int]] = ..., bad_peers: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
     __slots__ = ("server_time_ms", "policy_version", "standing")

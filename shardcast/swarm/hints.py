@@ -143,14 +143,24 @@ class PeerDirectory:
     """
 
     def __init__(self, key: PrivateKey, *, ttl_s: float = 60.0, resign_s: float = 5.0, max_peers: int = MAX_PEERS,
+                 reports_to_withhold: int = 2, report_ttl_s: float = 3600.0,
                  clock: Callable[[], float] = time.monotonic):
         self.key, self.ttl_s, self.resign_s, self.max_peers, self.clock = key, ttl_s, resign_s, max_peers, clock
+        self.reports_to_withhold, self.report_ttl_s = reports_to_withhold, report_ttl_s
         self._listings: dict[str, _Listing] = {}  # node id -> its latest swarm listing
+        self._reports: dict[str, dict[str, float]] = {}  # bad peer id -> reporter's network -> when
         self._signed: tuple[int, float, bytes] | None = None  # (version, when, document)
 
-    def record(self, node_id: str, peer_id: str, addrs: Sequence[str], versions: Sequence[int], observed: str) -> None:
+    def record(self, node_id: str, peer_id: str, addrs: Sequence[str], versions: Sequence[int], observed: str,
+               bad_peers: Sequence[str] = ()) -> None:
         """What node ``node_id``'s heartbeat (from IP ``observed``) said about its swarm; an empty ``peer_id``
-        (no swarm, or it stopped) removes the node. Raises PeerHintsError for a malformed peer id."""
+        (no swarm, or it stopped) removes the node. Raises PeerHintsError for a malformed peer id.
+
+        ``bad_peers``: peers that sent the node bytes the manifest does not name. A report cannot be proved
+        (a stream's bytes are not signed by the sender), so one network's word withholds nobody: a peer
+        reported from ``reports_to_withhold`` different networks (/24, /64) is no longer announced.
+        """
+        self._report(peer_id, bad_peers, observed)
         if not peer_id:
             self._drop(node_id)
             return
@@ -172,6 +182,29 @@ class PeerDirectory:
         if old is None or old.hint != hint:
             self._signed = None  # the announcement changes at once; only a node's being seen again does not
         self._listings[node_id] = _Listing(hint, self.clock())
+
+    def _report(self, reporter: str, bad_peers: Sequence[str], observed: str) -> None:
+        try:
+            ip = ipaddress.ip_address(observed)
+        except ValueError:
+            return  # not an IP (a unix socket, a test transport): no network to count the report for
+        network = str(ipaddress.ip_network((ip, 24 if ip.version == 4 else 64), strict=False))
+        now = self.clock()
+        for bad in dict.fromkeys(bad_peers):
+            if bad == reporter or not _PEER_ID.fullmatch(bad):
+                continue
+            if bad not in self._reports and len(self._reports) >= self.max_peers:
+                continue  # full of reports already: more of them withhold nobody new
+            before = self.withheld(bad)
+            self._reports.setdefault(bad, {})[network] = now
+            if self.withheld(bad) != before:
+                self._signed = None
+
+    def withheld(self, peer_id: str) -> bool:
+        """True when ``peer_id`` was reported as serving bad bytes from enough networks to stop announcing it."""
+        now = self.clock()
+        recent = [t for t in self._reports.get(peer_id, {}).values() if now - t < self.report_ttl_s]
+        return len(recent) >= self.reports_to_withhold
 
     def _listed_circuit(self, addr: str) -> bool:
         """True when ``addr`` is a circuit (``<relay addr>/p2p/<relay id>/p2p-circuit``) through a listed node,
@@ -198,7 +231,8 @@ class PeerDirectory:
         if self._signed is not None and self._signed[0] == version and now - self._signed[1] < self.resign_s:
             return self._signed[2]
         self._expire()
-        hints = PeerHints(version, tuple(sorted((listing.hint for listing in self._listings.values()), key=lambda h: h.peer_id)))
+        listed = (listing.hint for listing in self._listings.values() if not self.withheld(listing.hint.peer_id))
+        hints = PeerHints(version, tuple(sorted(listed, key=lambda h: h.peer_id)))
         document = sign_peer_hints(self.key, hints)
         self._signed = (version, now, document)
         return document

@@ -62,6 +62,27 @@ def test_the_directory_announces_only_addresses_at_the_ip_a_heartbeat_came_from_
     assert verify_peer_hints(directory.signed(6), key.public).peers == ()
 
 
+def test_a_peer_reported_bad_from_two_networks_is_no_longer_announced_and_one_networks_word_is_not_enough():
+    key, clock = PrivateKey.generate(), FakeClock()
+    directory = PeerDirectory(key, resign_s=0, clock=clock)
+    reporters = ["12D3KooWReporterA1111111111111111111111111111111", "12D3KooWReporterB1111111111111111111111111111111",
+                 "12D3KooWReporterC1111111111111111111111111111111"]
+
+    def announced() -> set[str]:
+        return {p.peer_id for p in verify_peer_hints(directory.signed(5), key.public).peers}
+
+    directory.record("accused", PEER, ["/ip4/203.0.113.7/tcp/4001"], [5], "203.0.113.7")
+    directory.record("r1", reporters[0], ["/ip4/198.51.100.1/tcp/1"], [5], "198.51.100.1", [PEER])
+    directory.record("r2", reporters[1], ["/ip4/198.51.100.2/tcp/1"], [5], "198.51.100.2", [PEER])  # same /24
+    directory.record("accused", PEER, ["/ip4/203.0.113.7/tcp/4001"], [5], "203.0.113.7", [PEER])  # itself
+    assert PEER in announced() and not directory.withheld(PEER)
+    directory.record("r3", reporters[2], ["/ip4/192.0.2.3/tcp/1"], [5], "192.0.2.3", [PEER])
+    assert PEER not in announced() and directory.withheld(PEER)
+    clock.now += directory.report_ttl_s
+    directory.record("accused", PEER, ["/ip4/203.0.113.7/tcp/4001"], [5], "203.0.113.7")
+    assert PEER in announced()
+
+
 def test_a_heartbeat_with_a_swarm_is_announced_signed_and_a_malformed_one_refused(tmp_path):
     async def scenario():
         async with running_coordinator(make_coordinator_dir(tmp_path)) as coord, node_client(coord) as node:
