@@ -1266,20 +1266,36 @@ class _Fetch:
         def stripe_first(shards) -> list[int]:
             return sorted(shards, key=lambda i: (i - start) % len(manifest.shards))
 
+        own = set(stripe_first(range(len(manifest.shards)))[:stripe])
+        relay_s = 0.5  # how long this node's last batch from the relays took: about what the peers' take
+        waiting_since: float | None = None
         while remaining:
             live = [p for p in peers if not p.skip]
             offered = {i: hs for i, hs in (await self._ask_peers(manifest, live)).items() if i in remaining}
             # What no peer has comes from the relays: all of it once no peer is left; else, while peers offer
-            # shards, nothing (they are what others fetch from the relays right now), and when they offer none,
-            # this node's stripe: about its share of the version, so that together the nodes fetch it once.
+            # shards, nothing (they are what others fetch from the relays right now); when they offer none,
+            # this node's own stripe first, then, once the peers have had time to fetch theirs and still offer
+            # nothing, a stripe's worth of the rest.
             nobody = stripe_first(i for i in remaining if i not in offered)
-            if live:
-                nobody = [] if offered else nobody[: min(self.concurrency, stripe)]
-            before = self.bytes_from_peers
+            if live and offered:
+                nobody, waiting_since = [], None
+            elif live:
+                mine = [i for i in nobody if i in own]
+                if mine:
+                    nobody = mine[: self.concurrency]
+                else:
+                    waiting_since = waiting_since if waiting_since is not None else time.monotonic()
+                    if time.monotonic() - waiting_since < 2 * relay_s:
+                        await asyncio.sleep(min(0.25, relay_s))
+                        continue
+                    nobody, waiting_since = nobody[: min(self.concurrency, stripe)], None
+            before, t0 = self.bytes_from_peers, time.monotonic()
             relayed = await asyncio.gather(
                 self._download_all(manifest, fds, [_Job(SHARD, i) for i in nobody]),
                 *(self._shard_from_peers(manifest, fds, i, hs) for i, hs in offered.items()),
             )
+            if nobody and not offered:
+                relay_s = time.monotonic() - t0
             accepted += relayed[0] + self.bytes_from_peers - before
             remaining -= self.done
             if not nobody and self.bytes_from_peers == before and remaining:

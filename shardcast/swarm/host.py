@@ -37,6 +37,7 @@ import trio
 from libp2p import new_host
 from libp2p.crypto.ed25519 import create_new_key_pair
 from libp2p.custom_types import TProtocol
+from libp2p.exceptions import BaseLibp2pError
 from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo
 from libp2p.relay.circuit_v2 import PROTOCOL_ID as HOP_PROTOCOL
@@ -388,8 +389,8 @@ class Swarm:
             self.refusals[Refusal.STALLED] += 1
             raise PeerUnavailableError(hint.peer_id, Refusal.STALLED,
                                        f"silent for {self.limits.stream_timeout_s} s mid-stream") from exc
-        except (EOFError, OSError, ValueError) as exc:
-            raise PeerUnavailableError(hint.peer_id, "truncated", str(exc)) from exc
+        except (EOFError, OSError, ValueError, BaseLibp2pError) as exc:  # reset, closed, cut off mid-answer
+            raise PeerUnavailableError(hint.peer_id, "truncated", f"{type(exc).__name__}: {exc}") from exc
         finally:
             with contextlib.suppress(Exception):
                 await stream.reset()
@@ -414,8 +415,8 @@ class Swarm:
         except trio.TooSlowError as exc:
             self.refusals[Refusal.STALLED] += 1
             raise PeerUnavailableError(hint.peer_id, Refusal.STALLED, "silent while listing shards") from exc
-        except (EOFError, OSError, ValueError) as exc:
-            raise PeerUnavailableError(hint.peer_id, "truncated", str(exc)) from exc
+        except (EOFError, OSError, ValueError, BaseLibp2pError) as exc:  # reset, closed, cut off mid-answer
+            raise PeerUnavailableError(hint.peer_id, "truncated", f"{type(exc).__name__}: {exc}") from exc
         finally:
             with contextlib.suppress(Exception):
                 await stream.reset()
