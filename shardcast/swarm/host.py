@@ -139,6 +139,7 @@ class Swarm:
         self._nursery: trio.Nursery | None = None
         self._host = None
         self._circuits: CircuitV2Transport | None = None
+        self._last_key: tuple[Manifest, bytes] | None = None
 
     # ---- life cycle
 
@@ -205,17 +206,19 @@ class Swarm:
                 future.set_exception(exc) if exc is not None else future.set_result(result)
 
         async def runner() -> None:
-            result, error = None, None
-            with scope:
-                try:
-                    result = await fn(*args)
-                except SwarmError as exc:
-                    error = exc
-                except Exception as exc:  # noqa: BLE001 - a libp2p failure becomes a SwarmError, never leaks trio types
-                    error = SwarmError(f"{type(exc).__name__}: {exc}")
-            if scope.cancelled_caught:
-                error = SwarmNotRunningError("the swarm stopped")
-            loop.call_soon_threadsafe(settle, result, error)
+            # Whatever ends the call (stop() cancels every call in flight) settles the future: never a hang.
+            result, error = None, SwarmNotRunningError("the swarm stopped")
+            try:
+                with scope:
+                    try:
+                        result, error = await fn(*args), None
+                    except SwarmError as exc:
+                        error = exc
+                    except Exception as exc:  # noqa: BLE001 - a libp2p failure becomes a SwarmError, never leaks trio types
+                        error = SwarmError(f"{type(exc).__name__}: {exc}")
+            finally:
+                with contextlib.suppress(RuntimeError):  # the caller's loop is closed: nobody waits any more
+                    loop.call_soon_threadsafe(settle, result, error)
 
         try:
             trio.from_thread.run_sync(self._nursery.start_soon, runner, trio_token=self._token)
@@ -238,16 +241,22 @@ class Swarm:
     def serve_shard(self, path: str | os.PathLike, manifest: Manifest, index: int) -> None:
         """Serve shard ``index`` of ``manifest``, whose bytes were verified into ``path``/its file."""
         shard = manifest.shards[index]
-        key = bytes.fromhex(manifest_sha256(manifest))
+        key = self._key_of(manifest)
         with self._lock:
             self._shards[bytes.fromhex(shard.sha256)] = (Path(path) / shard.file, shard.offset, shard.size)
-            count, held = self._held.setdefault(key, (len(manifest.shards), set()))
-            held.add(index)
+            self._held.setdefault(key, (len(manifest.shards), set()))[1].add(index)
+
+    def _key_of(self, manifest: Manifest) -> bytes:
+        """The manifest's hash (what HAVE names a version by), kept for the manifest last asked about: hashing
+        the canonical manifest for each of its shards would cost O(shards²)."""
+        if self._last_key is None or self._last_key[0] is not manifest:
+            self._last_key = (manifest, bytes.fromhex(manifest_sha256(manifest)))
+        return self._last_key[1]
 
     def forget(self, manifest: Manifest) -> None:
         """Stop serving ``manifest``'s shards (its files are about to be pruned)."""
         with self._lock:
-            self._held.pop(bytes.fromhex(manifest_sha256(manifest)), None)
+            self._held.pop(self._key_of(manifest), None)
             for shard in manifest.shards:
                 self._shards.pop(bytes.fromhex(shard.sha256), None)
 

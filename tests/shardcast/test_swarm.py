@@ -106,8 +106,11 @@ def test_a_corrupting_peer_is_named_and_banned_and_no_bad_version_is_installed(
 class StallingSwarm(Swarm):
     """Sends the first chunk of each shard, then nothing, holding the stream open."""
 
+    stalling = False
+
     async def _send(self, stream, data: bytes, peer: str) -> None:
         await stream.write(data[: len(data) // 2])
+        self.stalling = True
         await trio.sleep(3600)
 
 
@@ -175,18 +178,25 @@ def test_a_peer_hint_outside_the_announced_set_is_refused(store, coord_key, othe
     assert refused == 2 and len(peers) == 1
 
 
-def test_stop_ends_the_host_thread_and_later_calls_say_so(store, coord_key):
-    shard = manifest_of(store, coord_key).shards[0]
+def test_stop_ends_the_host_thread_and_calls_in_flight_or_later_say_so(store, coord_key):
+    manifest = manifest_of(store, coord_key)
+    shard = manifest.shards[0]
 
     async def go():
-        swarm, peer = Swarm(listen=LOOPBACK), Swarm(listen=LOOPBACK)
-        async with started(peer):
+        swarm, staller = Swarm(listen=LOOPBACK), StallingSwarm(listen=LOOPBACK)
+        async with started(staller):
+            staller.serve(version_dir(store, 1), manifest)
             await swarm.start()
             thread = swarm._thread
-            announce(swarm, peer)
+            announce(swarm, staller)
+            in_flight = asyncio.create_task(swarm.fetch_shard(staller.peer_id, shard.sha256, shard.size))
+            while not staller.stalling and not in_flight.done():  # until the staller is mid-answer
+                await asyncio.sleep(0.05)
             await swarm.stop()
             with pytest.raises(SwarmNotRunningError):
-                await swarm.fetch_shard(peer.peer_id, shard.sha256, shard.size)
+                await in_flight
+            with pytest.raises(SwarmNotRunningError):
+                await swarm.fetch_shard(staller.peer_id, shard.sha256, shard.size)
         return thread.is_alive()
 
     assert run(go()) is False
