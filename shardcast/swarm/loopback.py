@@ -13,7 +13,7 @@ import contextlib
 import math
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -56,19 +56,27 @@ async def broadcast_over_swarm(
     swarm: bool = True,
     listen_host: str = "127.0.0.1",
     limits: SwarmLimits | None = None,
+    peer_addr: Callable[[int, str], Awaitable[str]] | None = None,
     **fetch_options,
 ) -> SwarmBroadcast:
     """Have ``nodes`` nodes fetch ``version`` at once from ``origin_urls`` (relays or the origin) and each other.
 
     ``swarm=False`` runs the same nodes with no swarm (relays only), for the comparison. Each node's copy
-    goes to ``workdir/node-<i>``. ``fetch_options`` go to every ``fetch_version`` (e.g. ``fsync=False``).
+    goes to ``workdir/node-<i>``. ``peer_addr(i, listen_addr)``: the address the other nodes are to dial
+    node ``i`` at, e.g. a shaping proxy started in front of its listen address (libp2p authenticates the
+    peer id, not the address, so a plain TCP proxy in between is fine). ``fetch_options`` go to every
+    ``fetch_version`` (e.g. ``fsync=False``).
     """
     workdir = Path(workdir)
     swarms = [Swarm(listen=f"/ip4/{listen_host}/tcp/0", limits=limits) for _ in range(nodes)] if swarm else []
     try:
         for s in swarms:
             await s.start()
-        everyone = PeerHints(version, tuple(PeerHint(s.peer_id, tuple(s.addrs), (version,)) for s in swarms))
+        hints = []
+        for i, s in enumerate(swarms):
+            addrs = tuple(s.addrs) if peer_addr is None else tuple([await peer_addr(i, a) for a in s.addrs])
+            hints.append(PeerHint(s.peer_id, addrs, (version,)))
+        everyone = PeerHints(version, tuple(hints))
         for s in swarms:
             s.announce(everyone)
         t0 = time.monotonic()

@@ -245,6 +245,46 @@ def test_nodes_fetching_at_once_trade_shards_and_the_origin_serves_fewer_copies(
     assert len(run_.completion_s) == 3 and run_.time_to_fraction_s(0.95) == max(run_.completion_s)
 
 
+def test_peers_can_be_announced_behind_proxies_for_the_wan_benchmark(store, checkpoint, coord_key, tmp_path):
+    from veriroll.shardcast.swarm.loopback import broadcast_over_swarm
+
+    forwarded = [0]
+    servers = []
+
+    async def pipe(reader, writer):
+        with contextlib.suppress(OSError):
+            while data := await reader.read(65536):
+                forwarded[0] += len(data)
+                writer.write(data)
+                await writer.drain()
+        writer.close()
+
+    async def proxy(i: int, addr: str) -> str:
+        """A plain TCP forwarder in front of ``addr`` (/ip4/127.0.0.1/tcp/PORT); its own address."""
+        port = int(addr.rsplit("/", 1)[1])
+
+        async def forward(reader, writer):
+            up_reader, up_writer = await asyncio.open_connection("127.0.0.1", port)
+            await asyncio.gather(pipe(reader, up_writer), pipe(up_reader, writer))
+
+        server = await asyncio.start_server(forward, "127.0.0.1", 0)
+        servers.append(server)
+        return f"/ip4/127.0.0.1/tcp/{server.sockets[0].getsockname()[1]}"
+
+    async def go():
+        try:
+            async with RelayServer(store, coord_key.public, port=0) as origin:
+                return await broadcast_over_swarm([origin.url], coord_key.public, 1, 2, tmp_path / "nodes",
+                                                  peer_addr=proxy, fsync=False)
+        finally:
+            for server in servers:
+                server.close()
+
+    result = run(go())
+    assert all(same_tree(checkpoint, tmp_path / "nodes" / f"node-{i}") for i in range(2))
+    assert result.peer_bytes > 0 and forwarded[0] >= result.peer_bytes  # every peer byte went through a proxy
+
+
 def test_a_node_learns_its_peers_from_signed_hints_and_serves_what_it_fetched(store, coord_key, other_key, tmp_path):
     from veriroll.node.weights import RelayVersions
 
