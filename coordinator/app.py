@@ -26,6 +26,7 @@ from veriroll.coordinator.server import read_tls, start_server
 from veriroll.coordinator.service import CoordinatorService, PolicyState
 from veriroll.protos.config import ConfigError, load_config, resolve_path
 from veriroll.protos.identity import load_private_key
+from veriroll.shardcast.swarm.hints import PeerDirectory
 
 log = logging.getLogger("veriroll.coordinator")
 
@@ -220,7 +221,7 @@ async def _start(base: Path, cfg: CoordinatorConfig, lock: DirectoryLock | None)
     service = CoordinatorService(
         cfg, db, environment=env, tokenizer=policy_store.tokenizer, vocab_size=policy_store.vocab_size,
         stop_token_ids=cfg.leases.stop_token_ids or policy_store.stop_token_ids, coordinator_key=key.public, policy=policy,
-        verifier=verifier, metrics=metrics,
+        verifier=verifier, metrics=metrics, peer_directory=PeerDirectory(key),
     )
     coord = Coordinator(base, cfg, db, service, policy_store, lock=lock)
     try:

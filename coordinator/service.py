@@ -46,6 +46,7 @@ from veriroll.protos.identity import PublicKey, public_key_problem
 from veriroll.protos.reasons import Reason
 from veriroll.protos.service import METHODS, UPGRADE_COMMAND, full_method
 from veriroll.protos.v1 import coordinator_pb2 as pb
+from veriroll.shardcast.swarm.hints import PeerDirectory, peer_id_problem
 
 log = logging.getLogger("veriroll.coordinator")
 
@@ -73,8 +74,10 @@ class CoordinatorService:
         metrics: CoordinatorMetrics | None = None,
         clock: Callable[[], int] = now_ms,
         rewards: RewardRunner | None = None,
+        peer_directory: PeerDirectory | None = None,
     ):
         self.cfg = cfg
+        self.peer_directory = peer_directory  # nodes' swarms, announced signed in the policy (shardcast/swarm/hints.py)
         self.db = db
         self.env = environment
         self.tokenizer = tokenizer
@@ -208,6 +211,7 @@ class CoordinatorService:
             version=v, relays=list(self.policy.relays), s_max=s_max,
             coordinator_public_key=self.coordinator_key.raw, manifest_path=self.policy.manifest_path,
             accepted_versions=list(range(max(0, v - s_max), v + 1)), min_node_version=self.cfg.server.min_node_version,
+            peer_hints=self.peer_directory.signed(v) if self.peer_directory is not None else b"",
         )
 
     def _log_identity_policy(self) -> None:
@@ -257,10 +261,15 @@ class CoordinatorService:
                                    policy=self.policy_info())
 
     async def heartbeat(self, node: NodeInfo, req: pb.HeartbeatRequest, *, peer: str = "unknown") -> pb.HeartbeatResponse:
+        if (problem := peer_id_problem(req.swarm_peer_id)) is not None:  # before anything changes
+            raise Refusal(Reason.MALFORMED, problem)
         now = await self.ledger.touch(node, int(req.loaded_version), st.Session(req.session_id, peer),
                                       stopping=req.stopping)
         if isinstance(now, st.LiveSession):
             raise self._key_in_use(now)
+        if self.peer_directory is not None:
+            self.peer_directory.record(node.node_id, req.swarm_peer_id, req.swarm_addrs, req.swarm_versions, peer,
+                                       req.bad_peers)
         return pb.HeartbeatResponse(server_time_ms=now, policy_version=self.policy.version, standing=node.standing)
 
     def _key_in_use(self, live: st.LiveSession) -> Refusal:

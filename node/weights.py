@@ -9,6 +9,10 @@ trainer commits it, and publishing (hashing, signing) and mirroring follow. A re
 such version" is therefore normal for the newest version for a while (``PUBLISH_GRACE_S``), and for an
 older one once the policy has moved past it and the relays pruned it. Only a newest version that stays
 missing, or any other failure, is a problem worth a warning.
+
+With a Swarm (``shardcast/swarm/``), versions come from peers first and the node serves every version it
+holds to its peers; a peer that served bad bytes is listed in ``RelayVersions.bad_peers`` for the node to
+report to the coordinator.
 """
 
 from __future__ import annotations
@@ -19,6 +23,10 @@ import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # libp2p is optional: only a node started with a swarm imports it
+    from veriroll.shardcast.swarm.host import Swarm
 
 log = logging.getLogger("veriroll.node.weights")
 
@@ -63,7 +71,7 @@ class RelayVersions:
     """
 
     def __init__(self, cache_dir: str | Path, coordinator_key, *, keep: int = 3, relays: list[str] | None = None,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, swarm: Swarm | None = None):
         self.root = Path(cache_dir).expanduser()
         self.root.mkdir(parents=True, exist_ok=True)
         self.coordinator_key = coordinator_key
@@ -72,6 +80,9 @@ class RelayVersions:
         self.clock = clock
         self.last_error: str = ""
         self.bad_relays: set[str] = set()
+        self.swarm = swarm
+        self.bad_peers: set[str] = set()  # peer ids that served bad bytes, for the node to report
+        self._served: dict[int, object] = {}  # version -> its Manifest, while the swarm serves it
         self.newest_wanted = -1
         self._tasks: dict[int, asyncio.Task] = {}
         self._state: dict[int, str] = {}
@@ -157,9 +168,16 @@ class RelayVersions:
 
         if self.coordinator_key is None:
             raise RuntimeError("no coordinator key to check checkpoints against yet")
+        self._serve_held()
         # Versions held already are bases: a version published as a delta against one of them is rebuilt from it.
         result = await fetch_version(relays, self.coordinator_key, self._dir(version), version=version, progress=False,
-                                     bases=[self._dir(v) for v in reversed(self.available())])
+                                     bases=[self._dir(v) for v in reversed(self.available())], swarm=self.swarm)
+        if self.swarm is not None:
+            self._served[version] = result.manifest
+        for bad in result.bad_peers:
+            self.bad_peers.add(bad.relay)
+            log.warning("peer %s served bad data for version %d (%s: %s); it was banned", bad.relay, version,
+                        bad.kind, bad.detail)
         for bad in result.bad_relays:
             self.bad_relays.add(bad.relay)
             log.warning("relay %s served bad data for version %d (%s: %s); it was avoided", bad.relay, version,
@@ -167,10 +185,49 @@ class RelayVersions:
         self._prune(version)
         return self._dir(version)
 
+    def swarm_listing(self) -> dict:
+        """This node's swarm as HeartbeatRequest fields, for the coordinator to announce to the other nodes."""
+        if self.swarm is None:
+            return {}
+        return {"swarm_peer_id": self.swarm.peer_id, "swarm_addrs": list(self.swarm.addrs),
+                "swarm_versions": sorted(self._served)[-64:], "bad_peers": sorted(self.bad_peers)[:16]}
+
+    def take_peer_hints(self, document: bytes) -> None:
+        """The peers announced in the policy (``PolicyInfo.peer_hints``): the only ones this node dials."""
+        if self.swarm is None or not document or self.coordinator_key is None:
+            return
+        from veriroll.shardcast.swarm.errors import PeerHintsError
+        from veriroll.shardcast.swarm.hints import verify_peer_hints
+
+        try:
+            self.swarm.announce(verify_peer_hints(document, self.coordinator_key))
+        except PeerHintsError as exc:  # keep the peers announced before: a forged list changes nothing
+            log.warning("peer hints refused: %s", exc)
+
+    def _serve_held(self) -> None:
+        """Serve to peers the versions this node held before it started (once each)."""
+        if self.swarm is None:
+            return
+        from veriroll.shardcast.errors import ShardcastError
+        from veriroll.shardcast.manifest import verify_manifest
+        from veriroll.shardcast.store import MANIFEST_NAME
+
+        for v in self.available():
+            if v not in self._served:
+                try:
+                    manifest = verify_manifest((self._dir(v) / MANIFEST_NAME).read_bytes(), self.coordinator_key)
+                except (OSError, ShardcastError) as exc:
+                    log.warning("not serving version %d to peers: %s", v, exc)
+                    continue
+                self.swarm.serve(self._dir(v), manifest)
+                self._served[v] = manifest
+
     def _prune(self, newest: int) -> None:
         versions = self.available()
         for v in versions[: max(0, len(versions) - self.keep)]:
             if v != newest:
+                if v in self._served:  # peers stop being answered from a directory about to go
+                    self.swarm.forget(self._served.pop(v))
                 shutil.rmtree(self._dir(v), ignore_errors=True)
         # What the node noted about versions far behind is of no use any more.
         running = {v for v, t in self._tasks.items() if not t.done()}

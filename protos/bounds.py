@@ -28,6 +28,10 @@ LIMITS: dict[tuple[str, str], int] = {
     ("RegisterRequest", "display_name"): 1024,
     ("RegisterRequest", "session_id"): 64,
     ("HeartbeatRequest", "session_id"): 64,
+    ("HeartbeatRequest", "swarm_peer_id"): 128,
+    ("HeartbeatRequest", "swarm_addrs"): 8,  # each multiaddr is checked by shardcast.swarm.hints.PeerDirectory
+    ("HeartbeatRequest", "swarm_versions"): 64,
+    ("HeartbeatRequest", "bad_peers"): 16,
     ("LeaseRequest", "available_versions"): 64,
     ("SubmitGroupRequest", "lease_id"): 64,
     ("SubmitGroupRequest", "samples"): 256,  # leases.group_size is at most 256

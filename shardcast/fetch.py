@@ -36,6 +36,16 @@ rebuilds wrong bytes, no relay serving the delta) costs only the download of tha
 reasons are in ``FetchResult.delta_problems``. A mirror (``keep_delta``) also keeps every piece, so that
 it can serve the delta in turn.
 
+Peers (``swarm``, ``swarm/host.py``): with a running Swarm, shards come from peers first, HTTP relays
+after, in rounds. Each round asks every announced peer holding the version which of its shards it has
+(one stream per peer) and fetches those from peers chosen at random, weighted by measured throughput.
+When no peer offers anything, the node downloads its stripe from the relays: about its share of the
+shards, starting at its own place in the list (by its rank among the peers), so that nodes fetching at
+once take different shards from the origin and then trade them. A peer's bytes are hashed on arrival
+like a relay's; a peer that sends bad ones is banned by the swarm and named in ``FetchResult.bad_peers``;
+one that stalls, cannot be reached or lied about what it holds only costs a fall back to the next
+source. Every shard verified here is served to peers at once, and the version whole once it is ready.
+
 Downloads go into ``<parent>/.<name>.shardcast-partial/`` with a journal of finished shards; a fetch
 that is interrupted (killed, disk full, relays gone) and run again skips the shards it already has,
 after hashing them again from disk: a journal that lies costs a refetch, never a bad checkpoint.
@@ -57,6 +67,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 from urllib.parse import quote
 
 import aiohttp
@@ -95,6 +106,10 @@ from .store import (
     remove_tree,
     write_file_durably,
 )
+from .swarm.errors import BadPeerError, PeerError
+
+if TYPE_CHECKING:  # libp2p is an optional dependency: only a caller that passes a Swarm imports it
+    from .swarm.host import Swarm
 
 log = logging.getLogger("veriroll.shardcast.fetch")
 
@@ -120,7 +135,8 @@ _CONTENT_RANGE = re.compile(r"bytes (\d+)-(\d+)/(\d+|\*)")
 
 @dataclass(frozen=True)
 class RelayIncident:
-    """Something a relay did wrong. ``kind`` is a short tag: for bad relays ``hash-mismatch``,
+    """Something a relay (or a peer of the swarm: ``relay`` is then its peer id) did wrong. ``kind`` is a
+    short tag: for bad relays ``hash-mismatch``,
     ``wrong-length``, ``bad-signature``, ``wrong-version``, ``invalid-manifest``; for failures
     ``timeout``, ``connection``, ``truncated``, ``http-<status>``, ``gone``."""
 
@@ -163,6 +179,9 @@ class FetchResult:
     delta_bytes: int = 0  # bytes of delta pieces accepted in this call
     shards_rebuilt: int = 0  # shards rebuilt from a base and a delta piece instead of downloaded
     delta_problems: list[str] = field(default_factory=list)  # why a delta, or a piece of it, was not used
+    bytes_from_peers: int = 0  # of bytes_downloaded, those that came from peers of the swarm
+    shards_from_peers: int = 0
+    bad_peers: list[RelayIncident] = field(default_factory=list)  # peers that sent bad bytes (banned)
 
     @property
     def bad_relay_urls(self) -> set[str]:
@@ -214,6 +233,23 @@ class _Relay:
         self.stats.bytes += nbytes
         self.stats.shards += 1
         self.stats.throughput_bps = self.ewma_bps
+
+
+class _Peer:
+    """A peer of the swarm as a source for this fetch: its measured throughput, like a relay's."""
+
+    def __init__(self, peer_id: str):
+        self.peer_id = peer_id
+        self.ewma_bps: float | None = None
+        self.inflight = 0
+        self.skip = False  # stalled, unreachable or banned: not asked again in this fetch
+
+    def weight(self, prior_bps: float) -> float:
+        return (self.ewma_bps if self.ewma_bps is not None else prior_bps) / (1 + self.inflight)
+
+    def record_success(self, nbytes: int, seconds: float) -> None:
+        bps = nbytes / max(seconds, 1e-6)
+        self.ewma_bps = bps if self.ewma_bps is None else (1 - EWMA_ALPHA) * self.ewma_bps + EWMA_ALPHA * bps
 
 
 SHARD, PIECE = "shard", "piece"
@@ -325,6 +361,8 @@ class _Fetch:
         keep_delta: bool,
         on_staged: Callable[[Manifest, bytes, Path], None] | None,
         on_verified: Callable[[str, int, int], None] | None,
+        swarm: Swarm | None,
+        peers: Sequence[str] | None,
     ):
         if not relays:
             raise ValueError("give at least one relay URL")
@@ -360,6 +398,11 @@ class _Fetch:
         self.shards_rebuilt = 0
         self.delta_problems: list[str] = []
         self.pieces_kept: set[int] = set()  # shards whose delta piece is in the staging delta file
+        self.swarm = swarm
+        self.peer_ids = peers
+        self.bad_peers: list[RelayIncident] = []
+        self.bytes_from_peers = 0
+        self.shards_from_peers = 0
 
     # ---- incidents
 
@@ -987,6 +1030,8 @@ class _Fetch:
             raise_if_disk_full(exc, self.staging / JOURNAL_NAME)
             raise
         self.file_event.set()
+        if self.swarm is not None:
+            self.swarm.serve_shard(self.staging, self.manifest, idx)
         if self.on_verified is not None:
             self.on_verified(shard.file, shard.offset, shard.size)
 
@@ -1134,7 +1179,7 @@ class _Fetch:
                         asyncio.create_task(self._hash_files(manifest, fds)) if self.verify_files else None
                     )
                     try:
-                        downloaded += await self._download_all(manifest, fds, todo)
+                        downloaded += await self._download_with_peers(manifest, fds, todo)
                         digests = await hashing if hashing is not None else None
                     finally:
                         if hashing is not None and not hashing.done():
@@ -1160,6 +1205,8 @@ class _Fetch:
                         f"{self.staging} may be failing"
                     )
                 await loop.run_in_executor(None, self._finish, manifest, manifest_bytes, fds)
+                if self.swarm is not None:
+                    self.swarm.serve(self.out_dir, manifest)
         finally:
             with contextlib.suppress(OSError, AttributeError):
                 os.close(self.journal_fd)
@@ -1190,7 +1237,138 @@ class _Fetch:
             delta_bytes=self.delta_bytes,
             shards_rebuilt=self.shards_rebuilt,
             delta_problems=list(self.delta_problems),
+            bytes_from_peers=self.bytes_from_peers,
+            shards_from_peers=self.shards_from_peers,
+            bad_peers=list(self.bad_peers),
         )
+
+    # ---- peers of the swarm
+
+    async def _download_with_peers(self, manifest: Manifest, fds: dict[str, int], todo: list[_Job]) -> int:
+        """Peers first, relays after, in rounds (module docstring); returns bytes of whole shards accepted."""
+        if self.swarm is None:
+            return await self._download_all(manifest, fds, todo)
+        ids = self.peer_ids if self.peer_ids is not None else self.swarm.peers_for(manifest.version)
+        peers = [_Peer(p) for p in dict.fromkeys(ids)]
+        if not peers:
+            return await self._download_all(manifest, fds, todo)
+        accepted = 0
+        pieces = [j for j in todo if j.kind != SHARD]
+        if pieces:  # delta pieces come from relays only; a shard whose piece fails joins the rounds below
+            accepted += await self._download_all(manifest, fds, pieces)
+        remaining = {j.shard for j in todo if j.kind == SHARD} - self.done
+        # Nodes fetching at once take their shards from the relays in stripes: each starts at its own place
+        # in the shard list (by its rank among the peers), so what they fetch differs and they trade it.
+        everyone = sorted({*(p.peer_id for p in peers), self.swarm.peer_id})
+        start = everyone.index(self.swarm.peer_id) * len(manifest.shards) // len(everyone)
+        stripe = -(-len(manifest.shards) // len(everyone))
+
+        def stripe_first(shards) -> list[int]:
+            return sorted(shards, key=lambda i: (i - start) % len(manifest.shards))
+
+        own = set(stripe_first(range(len(manifest.shards)))[:stripe])
+        relay_s = 0.5  # how long this node's last batch from the relays took: about what the peers' take
+        waiting_since: float | None = None
+        while remaining:
+            live = [p for p in peers if not p.skip]
+            offered = {i: hs for i, hs in (await self._ask_peers(manifest, live)).items() if i in remaining}
+            # What no peer has comes from the relays: all of it once no peer is left; else, while peers offer
+            # shards, nothing (they are what others fetch from the relays right now); when they offer none,
+            # this node's own stripe first, then, once the peers have had time to fetch theirs and still offer
+            # nothing, a stripe's worth of the rest.
+            nobody = stripe_first(i for i in remaining if i not in offered)
+            if live and offered:
+                nobody, waiting_since = [], None
+            elif live:
+                mine = [i for i in nobody if i in own]
+                if mine:
+                    nobody = mine[: self.concurrency]
+                else:
+                    waiting_since = waiting_since if waiting_since is not None else time.monotonic()
+                    if time.monotonic() - waiting_since < 2 * relay_s:
+                        await asyncio.sleep(min(0.25, relay_s))
+                        continue
+                    nobody, waiting_since = nobody[: min(self.concurrency, stripe)], None
+            before, t0 = self.bytes_from_peers, time.monotonic()
+            relayed = await asyncio.gather(
+                self._download_all(manifest, fds, [_Job(SHARD, i) for i in nobody]),
+                *(self._shard_from_peers(manifest, fds, i, hs) for i, hs in offered.items()),
+            )
+            if nobody and not offered:
+                relay_s = time.monotonic() - t0
+            accepted += relayed[0] + self.bytes_from_peers - before
+            remaining -= self.done
+            if not nobody and self.bytes_from_peers == before and remaining:
+                # Peers offered shards and gave none of them: those come from the relays instead.
+                batch = stripe_first(remaining)[: self.concurrency]
+                accepted += await self._download_all(manifest, fds, [_Job(SHARD, i) for i in batch])
+                remaining -= self.done
+        return accepted
+
+    async def _ask_peers(self, manifest: Manifest, peers: list[_Peer]) -> dict[int, list[_Peer]]:
+        """Shard index -> the peers that say they hold it (a claim: what they send is hashed)."""
+
+        async def ask(peer: _Peer) -> set[int]:
+            try:
+                return await self.swarm.shards_held_by(peer.peer_id, manifest)
+            except PeerError as exc:
+                self._report_peer(peer, exc, None)
+                return set()
+
+        holders: dict[int, list[_Peer]] = {}
+        for peer, held in zip(peers, await asyncio.gather(*(ask(p) for p in peers)), strict=True):
+            for i in held:
+                holders.setdefault(i, []).append(peer)
+        return holders
+
+    async def _shard_from_peers(self, manifest: Manifest, fds: dict[str, int], idx: int, holders: list[_Peer]) -> None:
+        """Get shard ``idx`` from one of ``holders`` (weighted by throughput), or leave it for the relays."""
+        shard = manifest.shards[idx]
+        tried: set[str] = set()
+        while idx not in self.done:
+            candidates = [p for p in holders if not p.skip and p.peer_id not in tried]
+            if not candidates:
+                return
+            known = [p.ewma_bps for p in holders if p.ewma_bps is not None]
+            prior = max(known) if known else PRIOR_BPS
+            peer = random.choices(candidates, weights=[p.weight(prior) for p in candidates])[0]
+            tried.add(peer.peer_id)
+            peer.inflight += 1
+            t0 = time.monotonic()
+            try:
+                data = await self.swarm.fetch_shard(peer.peer_id, shard.sha256, shard.size)
+            except PeerError as exc:
+                self._report_peer(peer, exc, idx)
+                continue
+            finally:
+                peer.inflight -= 1
+            peer.record_success(shard.size, time.monotonic() - t0)
+            if idx in self.done:  # a relay or another peer was quicker
+                return
+            try:
+                await asyncio.get_running_loop().run_in_executor(None, _write_at, fds[shard.file], [data], shard.offset)
+            except OSError as exc:
+                raise_if_disk_full(exc, self.staging / shard.file)
+                raise
+            self.bytes_from_peers += shard.size
+            self.shards_from_peers += 1
+            self._advance(shard.size)
+            self._mark_done(idx)
+
+    def _report_peer(self, peer: _Peer, exc: PeerError, shard: int | None) -> None:
+        incident = RelayIncident(peer.peer_id, str(exc.reason), shard, exc.detail)
+        if isinstance(exc, BadPeerError):
+            peer.skip = True
+            self.bad_peers.append(incident)
+            log.warning("peer %s served bad data (%s, shard %s): %s; banned", peer.peer_id, exc.reason, shard,
+                        exc.detail)
+            return
+        # A peer that stalled, could not be reached, is not announced, or lied about what it holds (only shards
+        # it listed are asked of it) is not asked again in this fetch; one that was busy only for that shard.
+        if exc.reason != "refused":
+            peer.skip = True
+        self.failures.append(incident)
+        log.info("peer %s failed (%s, shard %s): %s", peer.peer_id, exc.reason, shard, exc.detail)
 
 
 async def _read_capped(resp: aiohttp.ClientResponse, cap: int) -> bytes:
@@ -1262,6 +1440,8 @@ async def fetch_version(
     keep_delta: bool = False,
     on_staged: Callable[[Manifest, bytes, Path], None] | None = None,
     on_verified: Callable[[str, int, int], None] | None = None,
+    swarm: Swarm | None = None,
+    peers: Sequence[str] | None = None,
 ) -> FetchResult:
     """Fetch ``version`` (an integer, or ``"latest"``) from ``relays`` into ``out_dir``, verified.
 
@@ -1282,7 +1462,9 @@ async def fetch_version(
     checkpoint too, for a relay to serve. ``on_staged(manifest, manifest_bytes, staging_dir)`` is called
     once the staging directory is set up, and ``on_verified(name, offset, size)`` each time bytes of a
     file there (a shard, or a piece of the delta file) are written and verified: a relay serves them
-    from then on, before the version is whole.
+    from then on, before the version is whole. ``swarm``: a started Swarm to fetch shards from peers first
+    (module docstring) and to serve them from; ``peers``: the peer ids to ask (default: the swarm's
+    announced peers holding the version).
 
     Returns a FetchResult; raises NoRelayReachableError, ManifestSignatureError, VersionGoneError,
     ShardUnavailableError, ManifestError, DiskFullError or OutputDirError. A failed fetch never leaves
@@ -1308,6 +1490,8 @@ async def fetch_version(
         keep_delta=keep_delta,
         on_staged=on_staged,
         on_verified=on_verified,
+        swarm=swarm,
+        peers=peers,
     )
     return await fetch.run()
 

@@ -11,9 +11,9 @@ from google.protobuf import symbol_database as _symbol_database
 from google.protobuf.internal import builder as _builder
 _runtime_version.ValidateProtobufRuntimeVersion(
     _runtime_version.Domain.PUBLIC,
-    7,
-    35,
-    1,
+    6,
+    33,
+    5,
     '',
     'veriroll/v1/coordinator.proto'
 )
@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dveriroll/v1/coordinator.proto\x12\x0bveriroll.v1\")\n\x03Gpu\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x14\n\x0cmemory_bytes\x18\x02 \x01(\x03\"\xa8\x01\n\x0eHardwareReport\x12\x0b\n\x03\x63pu\x18\x01 \x01(\t\x12\x11\n\tcpu_count\x18\x02 \x01(\x05\x12\x11\n\tram_bytes\x18\x03 \x01(\x03\x12\x17\n\x0f\x64isk_free_bytes\x18\x04 \x01(\x03\x12\x1e\n\x04gpus\x18\x05 \x03(\x0b\x32\x10.veriroll.v1.Gpu\x12\n\n\x02os\x18\x06 \x01(\t\x12\x0e\n\x06\x65ngine\x18\x07 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x08 \x01(\t\"\xbd\x01\n\x0fRegisterRequest\x12\x12\n\npublic_key\x18\x01 \x01(\x0c\x12-\n\x08hardware\x18\x02 \x01(\x0b\x32\x1b.veriroll.v1.HardwareReport\x12\x18\n\x10software_version\x18\x03 \x01(\t\x12\x14\n\x0c\x64isplay_name\x18\x04 \x01(\t\x12\x11\n\tpow_nonce\x18\x05 \x01(\x04\x12\x10\n\x08pow_bits\x18\x06 \x01(\r\x12\x12\n\nsession_id\x18\x07 \x01(\t\"v\n\x10RegisterResponse\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x10\n\x08standing\x18\x02 \x01(\t\x12\x16\n\x0eserver_time_ms\x18\x03 \x01(\x03\x12\'\n\x06policy\x18\x04 \x01(\x0b\x32\x17.veriroll.v1.PolicyInfo\"\x80\x01\n\x10HeartbeatRequest\x12\x16\n\x0eloaded_version\x18\x01 \x01(\x03\x12\x18\n\x10leases_in_flight\x18\x02 \x01(\x05\x12\x14\n\x0ctokens_per_s\x18\x03 \x01(\x01\x12\x12\n\nsession_id\x18\x04 \x01(\t\x12\x10\n\x08stopping\x18\x05 \x01(\x08\"U\n\x11HeartbeatResponse\x12\x16\n\x0eserver_time_ms\x18\x01 \x01(\x03\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x03\x12\x10\n\x08standing\x18\x03 \x01(\t\"V\n\x0cLeaseRequest\x12\x12\n\nmax_leases\x18\x01 \x01(\x05\x12\x16\n\x0eloaded_version\x18\x02 \x01(\x03\x12\x1a\n\x12\x61vailable_versions\x18\x03 \x03(\x03\"\xd7\x01\n\x05Lease\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x12\n\nprompt_ids\x18\x02 \x03(\x05\x12\x12\n\ngroup_size\x18\x03 \x01(\x05\x12\x13\n\x0btemperature\x18\x04 \x01(\x02\x12\x16\n\x0emax_new_tokens\x18\x05 \x01(\x05\x12\r\n\x05seeds\x18\x06 \x03(\x04\x12\x16\n\x0epolicy_version\x18\x07 \x01(\x03\x12\x13\n\x0b\x64\x65\x61\x64line_ms\x18\x08 \x01(\x03\x12\x16\n\x0estop_token_ids\x18\t \x03(\x05\x12\x13\n\x0b\x65nvironment\x18\n \x01(\t\"`\n\rLeaseResponse\x12\"\n\x06leases\x18\x01 \x03(\x0b\x32\x12.veriroll.v1.Lease\x12\x16\n\x0eretry_after_ms\x18\x02 \x01(\x05\x12\x13\n\x0bwait_reason\x18\x03 \x01(\t\"S\n\x06Sample\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x10\n\x08logprobs\x18\x02 \x01(\x0c\x12\r\n\x05proof\x18\x03 \x01(\x0c\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\"{\n\x12SubmitGroupRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x03\x12$\n\x07samples\x18\x03 \x03(\x0b\x32\x13.veriroll.v1.Sample\x12\x15\n\rcompute_dtype\x18\x04 \x01(\t\"c\n\x13SubmitGroupResponse\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x0f\n\x07rewards\x18\x02 \x03(\x02\x12\x17\n\x0f\x63redited_tokens\x18\x03 \x01(\x03\x12\x10\n\x08group_id\x18\x04 \x01(\t\"\x0f\n\rPolicyRequest\"\xa8\x01\n\nPolicyInfo\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x0e\n\x06relays\x18\x02 \x03(\t\x12\r\n\x05s_max\x18\x03 \x01(\x05\x12\x1e\n\x16\x63oordinator_public_key\x18\x04 \x01(\x0c\x12\x15\n\rmanifest_path\x18\x05 \x01(\t\x12\x19\n\x11\x61\x63\x63\x65pted_versions\x18\x06 \x03(\x03\x12\x18\n\x10min_node_version\x18\x07 \x01(\t\"9\n\x0ePolicyResponse\x12\'\n\x06policy\x18\x01 \x01(\x0b\x32\x17.veriroll.v1.PolicyInfo\"\x0f\n\rLedgerRequest\"\xa9\x02\n\x0eLedgerResponse\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x10\n\x08standing\x18\x02 \x01(\t\x12\x17\n\x0f\x61\x63\x63\x65pted_groups\x18\x03 \x01(\x03\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x04 \x01(\x03\x12\x0f\n\x07strikes\x18\x05 \x01(\x05\x12Q\n\x14rejections_by_reason\x18\x06 \x03(\x0b\x32\x33.veriroll.v1.LedgerResponse.RejectionsByReasonEntry\x12\x0f\n\x07\x63redits\x18\x07 \x01(\x01\x12\x12\n\nban_reason\x18\x08 \x01(\t\x1a\x39\n\x17RejectionsByReasonEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\x32\xc4\x03\n\x0b\x43oordinator\x12G\n\x08Register\x12\x1c.veriroll.v1.RegisterRequest\x1a\x1d.veriroll.v1.RegisterResponse\x12J\n\tHeartbeat\x12\x1d.veriroll.v1.HeartbeatRequest\x1a\x1e.veriroll.v1.HeartbeatResponse\x12\x42\n\tLeaseWork\x12\x19.veriroll.v1.LeaseRequest\x1a\x1a.veriroll.v1.LeaseResponse\x12P\n\x0bSubmitGroup\x12\x1f.veriroll.v1.SubmitGroupRequest\x1a .veriroll.v1.SubmitGroupResponse\x12\x44\n\tGetPolicy\x12\x1a.veriroll.v1.PolicyRequest\x1a\x1b.veriroll.v1.PolicyResponse\x12\x44\n\tGetLedger\x12\x1a.veriroll.v1.LedgerRequest\x1a\x1b.veriroll.v1.LedgerResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dveriroll/v1/coordinator.proto\x12\x0bveriroll.v1\")\n\x03Gpu\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x14\n\x0cmemory_bytes\x18\x02 \x01(\x03\"\xa8\x01\n\x0eHardwareReport\x12\x0b\n\x03\x63pu\x18\x01 \x01(\t\x12\x11\n\tcpu_count\x18\x02 \x01(\x05\x12\x11\n\tram_bytes\x18\x03 \x01(\x03\x12\x17\n\x0f\x64isk_free_bytes\x18\x04 \x01(\x03\x12\x1e\n\x04gpus\x18\x05 \x03(\x0b\x32\x10.veriroll.v1.Gpu\x12\n\n\x02os\x18\x06 \x01(\t\x12\x0e\n\x06\x65ngine\x18\x07 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x08 \x01(\t\"\xbd\x01\n\x0fRegisterRequest\x12\x12\n\npublic_key\x18\x01 \x01(\x0c\x12-\n\x08hardware\x18\x02 \x01(\x0b\x32\x1b.veriroll.v1.HardwareReport\x12\x18\n\x10software_version\x18\x03 \x01(\t\x12\x14\n\x0c\x64isplay_name\x18\x04 \x01(\t\x12\x11\n\tpow_nonce\x18\x05 \x01(\x04\x12\x10\n\x08pow_bits\x18\x06 \x01(\r\x12\x12\n\nsession_id\x18\x07 \x01(\t\"v\n\x10RegisterResponse\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x10\n\x08standing\x18\x02 \x01(\t\x12\x16\n\x0eserver_time_ms\x18\x03 \x01(\x03\x12\'\n\x06policy\x18\x04 \x01(\x0b\x32\x17.veriroll.v1.PolicyInfo\"\xd7\x01\n\x10HeartbeatRequest\x12\x16\n\x0eloaded_version\x18\x01 \x01(\x03\x12\x18\n\x10leases_in_flight\x18\x02 \x01(\x05\x12\x14\n\x0ctokens_per_s\x18\x03 \x01(\x01\x12\x12\n\nsession_id\x18\x04 \x01(\t\x12\x10\n\x08stopping\x18\x05 \x01(\x08\x12\x15\n\rswarm_peer_id\x18\x06 \x01(\t\x12\x13\n\x0bswarm_addrs\x18\x07 \x03(\t\x12\x16\n\x0eswarm_versions\x18\x08 \x03(\x03\x12\x11\n\tbad_peers\x18\t \x03(\t\"U\n\x11HeartbeatResponse\x12\x16\n\x0eserver_time_ms\x18\x01 \x01(\x03\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x03\x12\x10\n\x08standing\x18\x03 \x01(\t\"V\n\x0cLeaseRequest\x12\x12\n\nmax_leases\x18\x01 \x01(\x05\x12\x16\n\x0eloaded_version\x18\x02 \x01(\x03\x12\x1a\n\x12\x61vailable_versions\x18\x03 \x03(\x03\"\xd7\x01\n\x05Lease\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x12\n\nprompt_ids\x18\x02 \x03(\x05\x12\x12\n\ngroup_size\x18\x03 \x01(\x05\x12\x13\n\x0btemperature\x18\x04 \x01(\x02\x12\x16\n\x0emax_new_tokens\x18\x05 \x01(\x05\x12\r\n\x05seeds\x18\x06 \x03(\x04\x12\x16\n\x0epolicy_version\x18\x07 \x01(\x03\x12\x13\n\x0b\x64\x65\x61\x64line_ms\x18\x08 \x01(\x03\x12\x16\n\x0estop_token_ids\x18\t \x03(\x05\x12\x13\n\x0b\x65nvironment\x18\n \x01(\t\"`\n\rLeaseResponse\x12\"\n\x06leases\x18\x01 \x03(\x0b\x32\x12.veriroll.v1.Lease\x12\x16\n\x0eretry_after_ms\x18\x02 \x01(\x05\x12\x13\n\x0bwait_reason\x18\x03 \x01(\t\"S\n\x06Sample\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x10\n\x08logprobs\x18\x02 \x01(\x0c\x12\r\n\x05proof\x18\x03 \x01(\x0c\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\"{\n\x12SubmitGroupRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x03\x12$\n\x07samples\x18\x03 \x03(\x0b\x32\x13.veriroll.v1.Sample\x12\x15\n\rcompute_dtype\x18\x04 \x01(\t\"c\n\x13SubmitGroupResponse\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x0f\n\x07rewards\x18\x02 \x03(\x02\x12\x17\n\x0f\x63redited_tokens\x18\x03 \x01(\x03\x12\x10\n\x08group_id\x18\x04 \x01(\t\"\x0f\n\rPolicyRequest\"\xbc\x01\n\nPolicyInfo\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x0e\n\x06relays\x18\x02 \x03(\t\x12\r\n\x05s_max\x18\x03 \x01(\x05\x12\x1e\n\x16\x63oordinator_public_key\x18\x04 \x01(\x0c\x12\x15\n\rmanifest_path\x18\x05 \x01(\t\x12\x19\n\x11\x61\x63\x63\x65pted_versions\x18\x06 \x03(\x03\x12\x18\n\x10min_node_version\x18\x07 \x01(\t\x12\x12\n\npeer_hints\x18\x08 \x01(\x0c\"9\n\x0ePolicyResponse\x12\'\n\x06policy\x18\x01 \x01(\x0b\x32\x17.veriroll.v1.PolicyInfo\"\x0f\n\rLedgerRequest\"\xa9\x02\n\x0eLedgerResponse\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x10\n\x08standing\x18\x02 \x01(\t\x12\x17\n\x0f\x61\x63\x63\x65pted_groups\x18\x03 \x01(\x03\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x04 \x01(\x03\x12\x0f\n\x07strikes\x18\x05 \x01(\x05\x12Q\n\x14rejections_by_reason\x18\x06 \x03(\x0b\x32\x33.veriroll.v1.LedgerResponse.RejectionsByReasonEntry\x12\x0f\n\x07\x63redits\x18\x07 \x01(\x01\x12\x12\n\nban_reason\x18\x08 \x01(\t\x1a\x39\n\x17RejectionsByReasonEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\x32\xc4\x03\n\x0b\x43oordinator\x12G\n\x08Register\x12\x1c.veriroll.v1.RegisterRequest\x1a\x1d.veriroll.v1.RegisterResponse\x12J\n\tHeartbeat\x12\x1d.veriroll.v1.HeartbeatRequest\x1a\x1e.veriroll.v1.HeartbeatResponse\x12\x42\n\tLeaseWork\x12\x19.veriroll.v1.LeaseRequest\x1a\x1a.veriroll.v1.LeaseResponse\x12P\n\x0bSubmitGroup\x12\x1f.veriroll.v1.SubmitGroupRequest\x1a .veriroll.v1.SubmitGroupResponse\x12\x44\n\tGetPolicy\x12\x1a.veriroll.v1.PolicyRequest\x1a\x1b.veriroll.v1.PolicyResponse\x12\x44\n\tGetLedger\x12\x1a.veriroll.v1.LedgerRequest\x1a\x1b.veriroll.v1.LedgerResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -42,33 +42,33 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_REGISTERRESPONSE']._serialized_start=452
   _globals['_REGISTERRESPONSE']._serialized_end=570
   _globals['_HEARTBEATREQUEST']._serialized_start=573
-  _globals['_HEARTBEATREQUEST']._serialized_end=701
-  _globals['_HEARTBEATRESPONSE']._serialized_start=703
-  _globals['_HEARTBEATRESPONSE']._serialized_end=788
-  _globals['_LEASEREQUEST']._serialized_start=790
-  _globals['_LEASEREQUEST']._serialized_end=876
-  _globals['_LEASE']._serialized_start=879
-  _globals['_LEASE']._serialized_end=1094
-  _globals['_LEASERESPONSE']._serialized_start=1096
-  _globals['_LEASERESPONSE']._serialized_end=1192
-  _globals['_SAMPLE']._serialized_start=1194
-  _globals['_SAMPLE']._serialized_end=1277
-  _globals['_SUBMITGROUPREQUEST']._serialized_start=1279
-  _globals['_SUBMITGROUPREQUEST']._serialized_end=1402
-  _globals['_SUBMITGROUPRESPONSE']._serialized_start=1404
-  _globals['_SUBMITGROUPRESPONSE']._serialized_end=1503
-  _globals['_POLICYREQUEST']._serialized_start=1505
-  _globals['_POLICYREQUEST']._serialized_end=1520
-  _globals['_POLICYINFO']._serialized_start=1523
-  _globals['_POLICYINFO']._serialized_end=1691
-  _globals['_POLICYRESPONSE']._serialized_start=1693
-  _globals['_POLICYRESPONSE']._serialized_end=1750
-  _globals['_LEDGERREQUEST']._serialized_start=1752
-  _globals['_LEDGERREQUEST']._serialized_end=1767
-  _globals['_LEDGERRESPONSE']._serialized_start=1770
-  _globals['_LEDGERRESPONSE']._serialized_end=2067
-  _globals['_LEDGERRESPONSE_REJECTIONSBYREASONENTRY']._serialized_start=2010
-  _globals['_LEDGERRESPONSE_REJECTIONSBYREASONENTRY']._serialized_end=2067
-  _globals['_COORDINATOR']._serialized_start=2070
-  _globals['_COORDINATOR']._serialized_end=2522
+  _globals['_HEARTBEATREQUEST']._serialized_end=788
+  _globals['_HEARTBEATRESPONSE']._serialized_start=790
+  _globals['_HEARTBEATRESPONSE']._serialized_end=875
+  _globals['_LEASEREQUEST']._serialized_start=877
+  _globals['_LEASEREQUEST']._serialized_end=963
+  _globals['_LEASE']._serialized_start=966
+  _globals['_LEASE']._serialized_end=1181
+  _globals['_LEASERESPONSE']._serialized_start=1183
+  _globals['_LEASERESPONSE']._serialized_end=1279
+  _globals['_SAMPLE']._serialized_start=1281
+  _globals['_SAMPLE']._serialized_end=1364
+  _globals['_SUBMITGROUPREQUEST']._serialized_start=1366
+  _globals['_SUBMITGROUPREQUEST']._serialized_end=1489
+  _globals['_SUBMITGROUPRESPONSE']._serialized_start=1491
+  _globals['_SUBMITGROUPRESPONSE']._serialized_end=1590
+  _globals['_POLICYREQUEST']._serialized_start=1592
+  _globals['_POLICYREQUEST']._serialized_end=1607
+  _globals['_POLICYINFO']._serialized_start=1610
+  _globals['_POLICYINFO']._serialized_end=1798
+  _globals['_POLICYRESPONSE']._serialized_start=1800
+  _globals['_POLICYRESPONSE']._serialized_end=1857
+  _globals['_LEDGERREQUEST']._serialized_start=1859
+  _globals['_LEDGERREQUEST']._serialized_end=1874
+  _globals['_LEDGERRESPONSE']._serialized_start=1877
+  _globals['_LEDGERRESPONSE']._serialized_end=2174
+  _globals['_LEDGERRESPONSE_REJECTIONSBYREASONENTRY']._serialized_start=2117
+  _globals['_LEDGERRESPONSE_REJECTIONSBYREASONENTRY']._serialized_end=2174
+  _globals['_COORDINATOR']._serialized_start=2177
+  _globals['_COORDINATOR']._serialized_end=2629
 # @@protoc_insertion_point(module_scope)

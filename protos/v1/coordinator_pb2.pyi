@@ -66,18 +66,26 @@ class RegisterResponse(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., standing: _Optional[str] = ..., server_time_ms: _Optional[int] = ..., policy: _Optional[_Union[PolicyInfo, _Mapping]] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("loaded_version", "leases_in_flight", "tokens_per_s", "session_id", "stopping")
+    __slots__ = ("loaded_version", "leases_in_flight", "tokens_per_s", "session_id", "stopping", "swarm_peer_id", "swarm_addrs", "swarm_versions", "bad_peers")
     LOADED_VERSION_FIELD_NUMBER: _ClassVar[int]
     LEASES_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
     TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     STOPPING_FIELD_NUMBER: _ClassVar[int]
+    SWARM_PEER_ID_FIELD_NUMBER: _ClassVar[int]
+    SWARM_ADDRS_FIELD_NUMBER: _ClassVar[int]
+    SWARM_VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    BAD_PEERS_FIELD_NUMBER: _ClassVar[int]
     loaded_version: int
     leases_in_flight: int
     tokens_per_s: float
     session_id: str
     stopping: bool
-    def __init__(self, loaded_version: _Optional[int] = ..., leases_in_flight: _Optional[int] = ..., tokens_per_s: _Optional[float] = ..., session_id: _Optional[str] = ..., stopping: _Optional[bool] = ...) -> None: ...
+    swarm_peer_id: str
+    swarm_addrs: _containers.RepeatedScalarFieldContainer[str]
+    swarm_versions: _containers.RepeatedScalarFieldContainer[int]
+    bad_peers: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, loaded_version: _Optional[int] = ..., leases_in_flight: _Optional[int] = ..., tokens_per_s: _Optional[float] = ..., session_id: _Optional[str] = ..., stopping: _Optional[bool] = ..., swarm_peer_id: _Optional[str] = ..., swarm_addrs: _Optional[_Iterable[str]] = ..., swarm_versions: _Optional[_Iterable[int]] = ..., bad_peers: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
     __slots__ = ("server_time_ms", "policy_version", "standing")
@@ -174,7 +182,7 @@ class PolicyRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class PolicyInfo(_message.Message):
-    __slots__ = ("version", "relays", "s_max", "coordinator_public_key", "manifest_path", "accepted_versions", "min_node_version")
+    __slots__ = ("version", "relays", "s_max", "coordinator_public_key", "manifest_path", "accepted_versions", "min_node_version", "peer_hints")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     RELAYS_FIELD_NUMBER: _ClassVar[int]
     S_MAX_FIELD_NUMBER: _ClassVar[int]
@@ -182,6 +190,7 @@ class PolicyInfo(_message.Message):
     MANIFEST_PATH_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_VERSIONS_FIELD_NUMBER: _ClassVar[int]
     MIN_NODE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    PEER_HINTS_FIELD_NUMBER: _ClassVar[int]
     version: int
     relays: _containers.RepeatedScalarFieldContainer[str]
     s_max: int
@@ -189,7 +198,8 @@ class PolicyInfo(_message.Message):
     manifest_path: str
     accepted_versions: _containers.RepeatedScalarFieldContainer[int]
     min_node_version: str
-    def __init__(self, version: _Optional[int] = ..., relays: _Optional[_Iterable[str]] = ..., s_max: _Optional[int] = ..., coordinator_public_key: _Optional[bytes] = ..., manifest_path: _Optional[str] = ..., accepted_versions: _Optional[_Iterable[int]] = ..., min_node_version: _Optional[str] = ...) -> None: ...
+    peer_hints: bytes
+    def __init__(self, version: _Optional[int] = ..., relays: _Optional[_Iterable[str]] = ..., s_max: _Optional[int] = ..., coordinator_public_key: _Optional[bytes] = ..., manifest_path: _Optional[str] = ..., accepted_versions: _Optional[_Iterable[int]] = ..., min_node_version: _Optional[str] = ..., peer_hints: _Optional[bytes] = ...) -> None: ...
 
 class PolicyResponse(_message.Message):
     __slots__ = ("policy",)

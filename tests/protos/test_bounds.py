@@ -24,7 +24,8 @@ def over(message_name: str, field: str, extra: int = 1):
     desc = getattr(pb, message_name).DESCRIPTOR.fields_by_name[field]
     if desc.is_repeated:
         make = (lambda n: [pb.Gpu()] * n) if desc.message_type is not None and desc.message_type.name == "Gpu" else \
-            (lambda n: [pb.Sample()] * n) if desc.message_type is not None else (lambda n: [1] * n)
+            (lambda n: [pb.Sample()] * n) if desc.message_type is not None else \
+            (lambda n: ["x"] * n) if desc.type == desc.TYPE_STRING else (lambda n: [1] * n)
     elif desc.type == desc.TYPE_STRING:
         make = lambda n: "x" * n  # noqa: E731 - one of three value makers
     else:

@@ -1,0 +1,1 @@
+"""Peer swarming: nodes serve each other the shards they verified, over libp2p (``host.Swarm``)."""
