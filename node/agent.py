@@ -337,6 +337,9 @@ class NodeAgent:
             log.error("the coordinator announces checkpoint key %s but this node pins %s; checkpoints will be refused",
                       announced.node_id, pinned.node_id)
         self.status.policy_version = policy.version
+        take_hints = getattr(self.versions, "take_peer_hints", None)
+        if take_hints is not None:
+            take_hints(bytes(policy.peer_hints))
 
     async def _heartbeats(self) -> None:
         """Report liveness and pick up new policy versions, until the node stops; failures back off and are logged."""
@@ -349,7 +352,7 @@ class NodeAgent:
                 resp = await self.stub.heartbeat(pb.HeartbeatRequest(
                     loaded_version=self.engine.version if self.engine and self.engine.version is not None else -1,
                     leases_in_flight=self.status.leases_in_flight, tokens_per_s=self.status.tokens_per_s,
-                    session_id=self.session_id))
+                    session_id=self.session_id, **self._swarm_listing()))
                 self.status.standing = resp.standing
                 self.status.note_version(resp.policy_version)
                 if self.policy is None or resp.policy_version != self.policy.version:
@@ -371,6 +374,11 @@ class NodeAgent:
                 failing.failed(type(exc).__name__, str(exc), exc_info=exc)
             else:
                 failing.succeeded()
+
+    def _swarm_listing(self) -> dict:
+        """What this node's peer swarm serves (HeartbeatRequest fields), for the coordinator to announce."""
+        listing = getattr(self.versions, "swarm_listing", None)
+        return listing() if listing is not None else {}
 
     # --- the loop ---------------------------------------------------------------------------------
 
@@ -404,7 +412,11 @@ class NodeAgent:
 
     async def run(self) -> int:
         heartbeat = None
+        swarm = getattr(self.versions, "swarm", None)
         try:
+            if swarm is not None:
+                await swarm.start()
+                log.info("peer swarm %s listening on %s", swarm.peer_id, ", ".join(swarm.addrs))
             await self.register()
             if self.policy is not None:
                 await self._unless_abandoned(self.versions.ensure(self.policy.version, list(self.policy.relays)))
@@ -446,6 +458,8 @@ class NodeAgent:
             # An engine still working in an abandoned thread is left alone: the process exits around it.
             if self.engine is not None and not any(t.is_alive() for t in self.busy_threads):
                 self.engine.close()
+            if swarm is not None:
+                await swarm.stop()
         return self.exit_code or 0
 
     def _fatal(self, err: CallError) -> None:

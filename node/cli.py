@@ -109,8 +109,14 @@ def build_agent(cfg: NodeConfig, channel, hw=None):
     else:
         ckey = load_public_key(Path(cfg.coordinator_key).expanduser()) if cfg.coordinator_key else None
         # One folder per key: a node pruning its old versions never deletes one another key is loading.
+        swarm = None
+        if cfg.swarm_listen:
+            # Imported only when asked for (libp2p is the swarm extra); an ImportError stops the node at start.
+            from veriroll.shardcast.swarm.host import Swarm
+
+            swarm = Swarm(listen=cfg.swarm_listen)
         versions = RelayVersions(Path(cfg.cache_dir).expanduser() / key.node_id, ckey, keep=cfg.keep_versions,
-                                 relays=cfg.relays)
+                                 relays=cfg.relays, swarm=swarm)
     adversary = None
     if cfg.adversary:
         from veriroll.node.adversary import make_adversary
