@@ -28,6 +28,12 @@ cores the extra streams cost more than they bring; ``--client-concurrency 2`` co
 
     .venv/bin/python benchmarks/shardcast.py [--quick] [--size-mib 256] [--clients 16] [--repeats 3]
 
+``--wan PROFILE`` (e.g. ``rtt=100ms,down=100mbit,up=100mbit``) puts every host behind an emulated link of
+its own (``veriroll.deploy.wan``, one proxy process): the origin, each mirror and each client. A mirror
+reaches the origin, and a client each relay, through the links of both ends, so the origin's uplink is
+shared by whoever fetches from it. ``time_to_{50,95,100}pct_s_{tree,direct}`` say when that share of
+the clients held a verified checkpoint.
+
 ``--quick`` is 64 MiB, 4 clients, 5 repeats. Prints a few human lines, then one JSON line.
 """
 
