@@ -30,7 +30,7 @@
    ``--swarm`` adds the libp2p swarm's figures (``time_to_95pct_s_swarm``, ``origin_copies_swarm``)
    where ``veriroll.shardcast.swarm`` offers its benchmark entry point (see :func:`swarm_over_wan`).
 
-``--quick``: the tree at 64 MiB and 4 clients instead of 256 MiB and 16, and the WAN scenario at 32 MiB
+``--quick``: the tree at 64 MiB and 4 clients instead of 256 MiB and 16, and the WAN scenario at 64 MiB
 and 16 clients (the delta part is the same). ``--skip-deltas`` leaves out part 1 (no model needed).
 Prints a line per measurement, then one JSON line.
 """
@@ -182,7 +182,7 @@ def swarm_over_wan(size_mib: int, clients: int, profile: str) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="the tree at 64 MiB and 4 clients")
+    ap.add_argument("--quick", action="store_true", help="the tree at 64 MiB and 4 clients, the WAN at 64 MiB")
     ap.add_argument("--lr", type=float, action="append", help="learning rates (default 1e-6 and 1e-5)")
     ap.add_argument("--wan", default="rtt=100ms,down=100mbit,up=100mbit", help="every host's emulated link in part 3")
     ap.add_argument("--swarm", action="store_true", help="part 3 with the libp2p swarm too (when importable)")
@@ -191,7 +191,7 @@ def main() -> None:
     lrs = args.lr or [1e-6, 1e-5]
     dtypes = ["float32", "bfloat16"]
     size_mib, clients = (64, 4) if args.quick else (256, 16)
-    wan_mib, wan_clients = (32, 16) if args.quick else (256, 16)
+    wan_mib, wan_clients = (64, 16) if args.quick else (256, 16)
 
     from veriroll.protos.identity import write_keypair
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import random
 import re
@@ -207,7 +208,6 @@ class WanProxy:
     async def _pump(self, reader, writer, buckets, delay: float, loss: float, route: Route, counter: str) -> None:
         """Copy one direction: read, pay every bucket, and hand the chunk on to be written ``delay`` later."""
         queue: asyncio.Queue = asyncio.Queue(QUEUE_CHUNKS)
-
         failed: list[BaseException] = []
 
         async def deliver() -> None:
@@ -215,7 +215,8 @@ class WanProxy:
                 due, chunk = await queue.get()
                 if chunk is None:
                     if not failed and writer.can_write_eof():
-                        writer.write_eof()
+                        with contextlib.suppress(OSError):  # the other end left first: nothing to tell it
+                            writer.write_eof()
                     return
                 if failed:
                     continue  # keep taking, so the reader never blocks on a queue nobody empties
@@ -243,6 +244,7 @@ class WanProxy:
                 raise failed[0]
         finally:
             sender.cancel()
+            await asyncio.gather(sender, return_exceptions=True)
 
 
 def routes_from_spec(spec: dict) -> list[Route]:
