@@ -12,7 +12,7 @@ to relay, relay to upstream, goes through the links of both ends. ``--nat-nodes 
 nodes as behind NAT: nothing may connect to them, so they are never given out as relays or peers.
 
 The summary reports how each version spread (``broadcast``: seconds from publishing until 50, 95 and
-100 % of the nodes held it), the origin's bytes per version, the staleness histogram of the samples
+100 % of the honest nodes held it), the origin's bytes per version, the staleness histogram of the samples
 trained on, and groups/s.
 """
 
@@ -234,7 +234,8 @@ class Testnet:
     # --- observing ---------------------------------------------------------------------------------
 
     def broadcast_watch(self, origin_url: str = "") -> BroadcastWatch:
-        nodes = {p.name: self.run_dir / p.name / "cache" for p in self.procs if p.node_id}
+        # Honest nodes only: an adversary is banned sooner or later and stops fetching.
+        nodes = {p.name: self.run_dir / p.name / "cache" for p in self.procs if p.role == "node"}
         return BroadcastWatch(self.coord_dir / "shardcast", nodes, origin_url)
 
     def snapshot(self) -> dict:

@@ -144,7 +144,9 @@ def test_the_testnet_trains_over_an_emulated_wan_and_reports_the_broadcast(tmp_p
     summary = json.loads(out.stdout.strip().splitlines()[-1])
     assert summary["steps"] >= 3 and summary["honest_rejected"] == 0, summary["rejections_by_node"]
     assert summary["wan"] == "rtt=100ms,down=100mbit,up=20mbit" and summary["nat_nodes"] == ["node-1"]
-    assert summary["broadcast"] and all(v["nodes"] >= 1 for v in summary["broadcast"].values())
+    # A node skips a version when a newer one is wanted, and the run stops soon after the last one is
+    # published: some version reached half the honest nodes.
+    assert any(v["to_50pct_s"] is not None for v in summary["broadcast"].values()), summary["broadcast"]
     assert sum(summary["origin_bytes_by_version"].values()) > 0
     assert sum(summary["staleness_hist"].values()) > 0 and summary["groups_per_s"] > 0
     assert (tmp_path / "run" / "logs" / "wan.log").exists()
