@@ -23,7 +23,15 @@
 
     .venv/bin/python benchmarks/broadcast.py [--quick]
 
-``--quick``: the tree at 64 MiB and 4 clients instead of 256 MiB and 16 (the delta part is the same).
+3. **Over an emulated WAN** (the same benchmark with ``--wan``: every host, origin, mirrors and
+   clients, behind its own ``rtt=100ms,down=100mbit,up=100mbit`` link through ``veriroll.deploy.wan``):
+   16 clients, 256 MiB; ``wan.time_to_95pct_s_tree`` / ``_direct`` is the time until 95 % of them hold a
+   verified checkpoint, ``wan.origin_copies_tree`` / ``_direct`` the origin's bytes / the checkpoint's.
+   ``--swarm`` adds the libp2p swarm's figures (``time_to_95pct_s_swarm``, ``origin_copies_swarm``)
+   where ``veriroll.shardcast.swarm`` offers its benchmark entry point (see :func:`swarm_over_wan`).
+
+``--quick``: the tree at 64 MiB and 4 clients instead of 256 MiB and 16, and the WAN scenario at 64 MiB
+and 16 clients (the delta part is the same). ``--skip-deltas`` leaves out part 1 (no model needed).
 Prints a line per measurement, then one JSON line.
 """
 
@@ -140,14 +148,50 @@ def tree_vs_direct(size_mib: int, clients: int, concurrency: int) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def wan_tree_vs_direct(size_mib: int, clients: int, profile: str) -> dict:
+    """Part 3: the tree against direct fetches with every host behind an emulated ``profile`` link."""
+    out = subprocess.run(
+        [sys.executable, str(HERE / "shardcast.py"), "--skip-single", "--no-address-limits",
+         "--size-mib", str(size_mib), "--clients", str(clients), "--wan", profile],
+        capture_output=True, text=True, timeout=3600, check=True,
+    )  # fmt: skip
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def swarm_over_wan(size_mib: int, clients: int, profile: str) -> dict:
+    """The swarm's figures for part 3: ``time_to_95pct_s_swarm`` and ``origin_copies_swarm``.
+
+    The swarm (``veriroll.shardcast.swarm``) is built apart from this benchmark; until it offers
+    ``benchmark_fetch(clients, size_mib, wan=profile) -> {"origin_bytes", "version_bytes", "completion_s"}``
+    (``completion_s``: seconds until each node held the version), this says why it was skipped.
+    """
+    try:
+        from veriroll.shardcast import swarm
+    except ImportError as exc:
+        return {"swarm_skipped": f"veriroll.shardcast.swarm is not importable: {exc}"}
+    run = getattr(swarm, "benchmark_fetch", None)
+    if run is None:
+        return {"swarm_skipped": "veriroll.shardcast.swarm has no benchmark_fetch entry point yet"}
+    result = run(clients, size_mib, wan=profile)
+    ends = sorted(result["completion_s"])
+    return {
+        "time_to_95pct_s_swarm": round(ends[max(0, -(-95 * len(ends) // 100) - 1)], 3),
+        "origin_copies_swarm": round(result["origin_bytes"] / result["version_bytes"], 3),
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="the tree at 64 MiB and 4 clients")
+    ap.add_argument("--quick", action="store_true", help="the tree at 64 MiB and 4 clients, the WAN at 64 MiB")
     ap.add_argument("--lr", type=float, action="append", help="learning rates (default 1e-6 and 1e-5)")
+    ap.add_argument("--wan", default="rtt=100ms,down=100mbit,up=100mbit", help="every host's emulated link in part 3")
+    ap.add_argument("--swarm", action="store_true", help="part 3 with the libp2p swarm too (when importable)")
+    ap.add_argument("--skip-deltas", action="store_true", help="leave out part 1 (the real model's deltas)")
     args = ap.parse_args()
     lrs = args.lr or [1e-6, 1e-5]
     dtypes = ["float32", "bfloat16"]
     size_mib, clients = (64, 4) if args.quick else (256, 16)
+    wan_mib, wan_clients = (64, 16) if args.quick else (256, 16)
 
     from veriroll.protos.identity import write_keypair
 
@@ -155,9 +199,9 @@ def main() -> None:
     try:
         key = write_keypair(work / "coordinator.key", force=True)
         key_pub = work / "coordinator.key.pub"
-        dirs = step_checkpoints(work, lrs, dtypes)
+        dirs = {} if args.skip_deltas else step_checkpoints(work, lrs, dtypes)
         deltas = {}
-        for lr in lrs:
+        for lr in lrs if dirs else []:
             for dtype in dtypes:
                 row = measure_delta(work, key, key_pub, dirs[(0.0, dtype)], dirs[(lr, dtype)])
                 deltas[f"{dtype}_lr{lr:g}"] = row
@@ -173,6 +217,13 @@ def main() -> None:
                   f"{size_mib} MiB, {concurrency} shards at once per client; origin copies "
                   f"{tree['origin_copies_tree']} vs {tree['origin_copies_direct']}")  # fmt: skip
         tree = trees[8]
+        wan = wan_tree_vs_direct(wan_mib, wan_clients, args.wan)
+        print(f"over the WAN ({args.wan}), {wan_clients} clients, {wan_mib} MiB: 95 % of clients hold it after "
+              f"{wan['time_to_95pct_s_tree']} s through the tree, {wan['time_to_95pct_s_direct']} s direct; origin "
+              f"copies {wan['origin_copies_tree']} vs {wan['origin_copies_direct']}")  # fmt: skip
+        swarm = swarm_over_wan(wan_mib, wan_clients, args.wan) if args.swarm else {}
+        if swarm:
+            print(f"swarm: {swarm}")
         print(
             json.dumps(
                 {
@@ -186,6 +237,15 @@ def main() -> None:
                     "tree_s_2_streams": trees[2]["tree_s"],
                     "direct_s_2_streams": trees[2]["direct_s"],
                     "tree_size_mib": size_mib,
+                    "wan": {
+                        "profile": args.wan, "size_mib": wan_mib, "clients": wan_clients,
+                        **{k: v for k, v in wan.items() if k.startswith(("time_to_", "origin_copies_"))},
+                        **swarm,
+                    },
+                    "time_to_95pct_s": {"tree": wan["time_to_95pct_s_tree"], "direct": wan["time_to_95pct_s_direct"],
+                                        **({"swarm": swarm["time_to_95pct_s_swarm"]} if "time_to_95pct_s_swarm" in swarm else {})},
+                    "origin_copies": {"tree": wan["origin_copies_tree"], "direct": wan["origin_copies_direct"],
+                                      **({"swarm": swarm["origin_copies_swarm"]} if "origin_copies_swarm" in swarm else {})},
                     "tree_clients": clients,
                     "deltas": deltas,
                     "model": "smollm2-135m-instruct",

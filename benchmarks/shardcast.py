@@ -28,6 +28,12 @@ cores the extra streams cost more than they bring; ``--client-concurrency 2`` co
 
     .venv/bin/python benchmarks/shardcast.py [--quick] [--size-mib 256] [--clients 16] [--repeats 3]
 
+``--wan PROFILE`` (e.g. ``rtt=100ms,down=100mbit,up=100mbit``) puts every host behind an emulated link of
+its own (``veriroll.deploy.wan``, one proxy process): the origin, each mirror and each client. A mirror
+reaches the origin, and a client each relay, through the links of both ends, so the origin's uplink is
+shared by whoever fetches from it. ``time_to_{50,95,100}pct_s_{tree,direct}`` say when that share of
+the clients held a verified checkpoint.
+
 ``--quick`` is 64 MiB, 4 clients, 5 repeats. Prints a few human lines, then one JSON line.
 """
 
@@ -37,6 +43,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import math
 import os
 import shutil
 import signal
@@ -160,13 +167,14 @@ class RssSampler:
 
 
 def run_clients(
-    n: int, relays: list[str], key_pub: Path, outs: Path, go: Path, concurrency: int
+    n: int, relays: list[str] | list[list[str]], key_pub: Path, outs: Path, go: Path, concurrency: int
 ) -> list[subprocess.Popen]:
+    """``n`` client processes, all given ``relays``, or client ``i`` its own list ``relays[i]``."""
     procs = []
     for i in range(n):
         cmd = [sys.executable, str(HERE), "--role", "client", "--key", str(key_pub), "--out", str(outs / f"c{i}"),
                "--go", str(go), "--client-concurrency", str(concurrency)]  # fmt: skip
-        for r in relays:
+        for r in relays[i] if isinstance(relays[0], list) else relays:
             cmd += ["--relay", r]
         procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     return procs
@@ -180,6 +188,36 @@ def collect(procs: list[subprocess.Popen]) -> list[dict]:
             raise RuntimeError(f"a client failed ({p.returncode}): {err[-2000:]}")
         results.append(json.loads(out.strip().splitlines()[-1]))
     return results
+
+
+def reach_times(results: list[dict], t0: float) -> dict[str, float]:
+    """Seconds from ``t0`` until 50, 95 and 100 % of the clients held the version."""
+    ends = sorted(r["end"] - t0 for r in results)
+    return {f"{p}pct": round(ends[max(0, math.ceil(p / 100 * len(ends)) - 1)], 3) for p in (50, 95, 100)}
+
+
+def start_wan(
+    work: Path, profile: str, clients: int, servers: dict[str, str], mirror_upstream: dict[str, str]
+) -> tuple[subprocess.Popen, list[list[str]], list[list[str]]]:
+    """The WAN proxy (``veriroll.deploy.wan``): one ``profile`` link per host; returns it and each client's
+    relay URLs for the tree and for direct fetches."""
+    links = {name: profile for name in [*servers, *(f"c{i}" for i in range(clients))]}
+    routes = [{"listen": url.rsplit("/", 1)[1], "target": servers["origin"].rsplit("/", 1)[1],
+               "client": name, "server": "origin"} for name, url in mirror_upstream.items()]  # fmt: skip
+    tree: list[list[str]] = []
+    direct: list[list[str]] = []
+    for i in range(clients):
+        mine = {}
+        for server, url in servers.items():
+            port = free_port()
+            routes.append({"listen": f"127.0.0.1:{port}", "target": url.rsplit("/", 1)[1], "client": f"c{i}",
+                           "server": server})  # fmt: skip
+            mine[server] = f"http://127.0.0.1:{port}"
+        tree.append([mine["r1"], mine["r2"]])
+        direct.append([mine["origin"]])
+    (work / "wan.json").write_text(json.dumps({"links": links, "routes": routes}))
+    proc = subprocess.Popen([sys.executable, "-m", "veriroll.deploy.wan", "--spec", str(work / "wan.json")])
+    return proc, tree, direct
 
 
 def wait_clients_ready(outs: Path, n: int) -> None:
@@ -285,6 +323,8 @@ def main() -> None:
     ap.add_argument("--skip-single", action="store_true", help="only the tree and direct phases")
     ap.add_argument("--client-concurrency", type=int, default=DEFAULT_CONCURRENCY,
                     help=f"shards each client downloads at once (default {DEFAULT_CONCURRENCY}, the library's)")  # fmt: skip
+    ap.add_argument("--wan", help="emulated link of every host, e.g. 'rtt=100ms,down=100mbit,up=100mbit' "
+                    "(veriroll.deploy.wan)")
     ap.add_argument("--role", default="main", help=argparse.SUPPRESS)
     ap.add_argument("--dir", help=argparse.SUPPRESS)
     ap.add_argument("--port", type=int, help=argparse.SUPPRESS)
@@ -320,24 +360,36 @@ def main() -> None:
         origin_store.mkdir()
         limits = not args.no_address_limits
         origin, origin_url = start_relay(origin_store, key_pub, address_limits=limits)
-        r1, r1_url = start_relay(work / "r1", key_pub, upstreams=[origin_url], address_limits=limits)
-        r2, r2_url = start_relay(work / "r2", key_pub, upstreams=[origin_url], address_limits=limits)
+        # Over an emulated WAN each host (origin, mirror, client) has its own link, and every connection
+        # goes through the proxy: a mirror reaches the origin, a client each relay, over both ends' links.
+        mirror_upstream = {name: f"http://127.0.0.1:{free_port()}" if args.wan else origin_url for name in ("r1", "r2")}
+        r1, r1_url = start_relay(work / "r1", key_pub, upstreams=[mirror_upstream["r1"]], address_limits=limits)
+        r2, r2_url = start_relay(work / "r2", key_pub, upstreams=[mirror_upstream["r2"]], address_limits=limits)
         procs += [origin, r1, r2]
         for u in (origin_url, r1_url, r2_url):
             wait_up(u)
+        tree_relays: list[str] | list[list[str]] = [r1_url, r2_url]
+        direct_relays: list[str] | list[list[str]] = [origin_url]
+        if args.wan:
+            wan, tree_relays, direct_relays = start_wan(
+                work, args.wan, args.clients, {"origin": origin_url, "r1": r1_url, "r2": r2_url}, mirror_upstream
+            )
+            procs.append(wan)
+            wait_up(direct_relays[0][0])
 
         with RssSampler([origin.pid, r1.pid, r2.pid]) as rss:
             # -- tree: clients wait; the version appears at the origin at t0
             outs = work / "tree"
             outs.mkdir()
             go = work / "go-tree"
-            clients = run_clients(args.clients, [r1_url, r2_url], key_pub, outs, go, args.client_concurrency)
+            clients = run_clients(args.clients, tree_relays, key_pub, outs, go, args.client_concurrency)
             wait_clients_ready(outs, args.clients)
             t0 = time.time()
             os.rename(version_dir(work / "staging", 1), version_dir(origin_store, 1))
             go.touch()
             results = collect(clients)
             tree_s = max(r["end"] for r in results) - t0
+            tree_reach = reach_times(results, t0)
             origin_copies_tree = origin_bytes(origin_url) / total
             print(f"tree: {args.clients} clients via 2 relays in {tree_s:.2f} s, origin served "
                   f"{origin_copies_tree:.2f} copies")  # fmt: skip
@@ -348,12 +400,13 @@ def main() -> None:
             outs = work / "direct"
             outs.mkdir()
             go = work / "go-direct"
-            clients = run_clients(args.clients, [origin_url], key_pub, outs, go, args.client_concurrency)
+            clients = run_clients(args.clients, direct_relays, key_pub, outs, go, args.client_concurrency)
             wait_clients_ready(outs, args.clients)
             t0 = time.time()
             go.touch()
             results = collect(clients)
             direct_s = max(r["end"] for r in results) - t0
+            direct_reach = reach_times(results, t0)
             origin_copies_direct = (origin_bytes(origin_url) - before) / total
             print(f"direct: {args.clients} clients from the origin in {direct_s:.2f} s, origin served "
                   f"{origin_copies_direct:.2f} copies")  # fmt: skip
@@ -370,6 +423,9 @@ def main() -> None:
                     "direct_s": round(direct_s, 3),
                     "origin_copies_tree": round(origin_copies_tree, 3),
                     "origin_copies_direct": round(origin_copies_direct, 3),
+                    **{f"time_to_{k}_s_tree": v for k, v in tree_reach.items()},
+                    **{f"time_to_{k}_s_direct": v for k, v in direct_reach.items()},
+                    "wan": args.wan or None,
                     "relay_peak_rss_mb": round(relay_peak_rss_mb, 1),
                     **{k: v for k, v in (single or {}).items() if k != "single_client_ratio"},
                     "address_limits": not args.no_address_limits,

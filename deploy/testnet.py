@@ -4,6 +4,16 @@ Starts the coordinator (trainer, verifier, origin relay), a chain of relays, hon
 adversarial nodes; trains until the target reward (or ``--steps``); shows a live table; writes a run
 directory with every process's log, the metrics history and a reward-curve PNG; ``--json`` prints a
 one-line summary.
+
+``--wan 'rtt=100ms,down=100mbit,up=20mbit'`` puts every host behind an emulated link
+(``veriroll.deploy.wan``, one proxy process): the coordinator (its gRPC port and origin relay), each relay
+and each node (``--wan-node 2=...`` gives node 2 its own). Every connection, node to coordinator, node
+to relay, relay to upstream, goes through the links of both ends. ``--nat-nodes K`` marks K honest
+nodes as behind NAT: nothing may connect to them, so they are never given out as relays or peers.
+
+The summary reports how each version spread (``broadcast``: seconds from publishing until 50, 95 and
+100 % of the honest nodes held it), the origin's bytes per version, the staleness histogram of the samples
+trained on, and groups/s.
 """
 
 from __future__ import annotations
@@ -17,11 +27,14 @@ import sqlite3
 import subprocess
 import sys
 import time
+import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from veriroll.coordinator import store as st
 from veriroll.deploy.topology import TestnetConfig, load_topology
+from veriroll.deploy.wan import parse_profile
+from veriroll.shardcast.store import READY_NAME, is_ready
 
 # Refusals an honest node can meet without doing anything wrong (a slow node, a restart, a full queue).
 HONEST_PAYLOAD_KINDS = {"claimed-rewards", "replay"}
@@ -34,6 +47,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def wait_listening(address: str, timeout: float = 30) -> None:
+    host, _, port = address.rpartition(":")
+    deadline = time.time() + timeout
+    while True:
+        try:
+            socket.create_connection((host, int(port)), timeout=1).close()
+            return
+        except OSError:
+            if time.time() > deadline:
+                raise RuntimeError(f"nothing listens on {address}") from None
+            time.sleep(0.1)
+
+
 @dataclass
 class Proc:
     name: str
@@ -42,12 +68,52 @@ class Proc:
     role: str
     node_id: str = ""
     adversary: str = ""
+    behind_nat: bool = False
+
+
+@dataclass
+class WanPlan:
+    """Which emulated link each host sits behind (``--wan``, ``--wan-node``) and how many nodes are behind NAT."""
+
+    profile: str
+    per_node: dict[int, str] = field(default_factory=dict)  # node number (1-based) → its own profile
+    nat_nodes: int = 0
+
+    def of_node(self, number: int) -> str:
+        return self.per_node.get(number, self.profile)
+
+
+def wan_spec(plan: WanPlan, grpc_port: int, origin_port: int, relay_ports: dict[str, int], upstreams: dict[str, str],
+             nodes: list[str], leaves: list[str]) -> dict:
+    """The proxy's links and routes (``veriroll.deploy.wan``): a link per host, a route per (client, server).
+
+    The coordinator's host carries its gRPC port and the origin relay. ``upstreams`` names each relay's
+    upstream ('origin' or a relay); ``leaves`` the relays nodes fetch from, in order. Routes listen on
+    free ports chosen here.
+    """
+    server_port = {"origin": origin_port, **relay_ports}
+    host_of = {"origin": "coordinator", **{r: r for r in relay_ports}}
+    links = {"coordinator": plan.profile, **{r: plan.profile for r in relay_ports},
+             **{n: plan.of_node(i + 1) for i, n in enumerate(nodes)}}
+    routes = [{"name": f"{r}->{up}", "listen": f"127.0.0.1:{free_port()}", "target": f"127.0.0.1:{server_port[up]}",
+               "client": r, "server": host_of[up]} for r, up in upstreams.items()]
+    for n in nodes:
+        routes.append({"name": f"{n}->grpc", "listen": f"127.0.0.1:{free_port()}", "target": f"127.0.0.1:{grpc_port}",
+                       "client": n, "server": "coordinator"})
+        routes += [{"name": f"{n}->{r}", "listen": f"127.0.0.1:{free_port()}", "target": f"127.0.0.1:{relay_ports[r]}",
+                    "client": n, "server": r} for r in leaves]
+    return {"links": links, "routes": routes}
+
+
+def route_address(spec: dict, name: str) -> str:
+    return next(r["listen"] for r in spec["routes"] if r["name"] == name)
 
 
 @dataclass
 class Testnet:
     cfg: TestnetConfig
     run_dir: Path
+    wan: WanPlan | None = None
     procs: list[Proc] = field(default_factory=list)
     veriroll: str = str(Path(sys.executable).parent / "veriroll")
 
@@ -59,12 +125,13 @@ class Testnet:
         return dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1",
                     TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
 
-    def spawn(self, name: str, args: list[str], role: str, threads: int = 1, **extra) -> Proc:
+    def spawn(self, name: str, args: list[str], role: str, threads: int = 1, program: list[str] | None = None,
+              **extra) -> Proc:
         log = self.run_dir / "logs" / f"{name}.log"
         log.parent.mkdir(parents=True, exist_ok=True)
         fh = open(log, "ab")  # noqa: SIM115 - handed to the child, closed when we stop
-        popen = subprocess.Popen([self.veriroll, *args], stdout=fh, stderr=subprocess.STDOUT, env=self._env(threads),
-                                 start_new_session=True)
+        popen = subprocess.Popen([*(program or [self.veriroll]), *args], stdout=fh, stderr=subprocess.STDOUT,
+                                 env=self._env(threads), start_new_session=True)
         proc = Proc(name, popen, log, role, **extra)
         self.procs.append(proc)
         return proc
@@ -103,33 +170,50 @@ class Testnet:
         origin_port = free_port()
         relay_ports = {r.name: free_port() for r in self.cfg.relays}
         urls = {"origin": f"http://127.0.0.1:{origin_port}"} | {n: f"http://127.0.0.1:{p}" for n, p in relay_ports.items()}
-        leaves = [urls[r.name] for r in reversed(self.cfg.relay_order())]
+        leaf_names = [r.name for r in reversed(self.cfg.relay_order())]
+        leaves = [urls[n] for n in leaf_names]
         info = self.init_coordinator(origin_port, leaves)
         coord = self.spawn("coordinator", ["coordinator", "run", "--dir", str(self.coord_dir)], "coordinator")
         ports = self.wait_ports(coord)
         pub = str(self.coord_dir / "coordinator.key.pub")
+        kinds = [""] * self.cfg.honest_nodes + list(self.cfg.adversaries)
+        names = [f"node-{i + 1}" + (f"-{kind}" if kind else "") for i, kind in enumerate(kinds)]
+        upstream_of = {r.name: urls[r.upstream] for r in self.cfg.relays}
+        grpc_of = {n: f"127.0.0.1:{ports['grpc']}" for n in names}
+        relays_of = {n: leaves for n in names}
+        if self.wan is not None:
+            spec = wan_spec(self.wan, ports["grpc"], origin_port, relay_ports,
+                            {r.name: r.upstream for r in self.cfg.relays}, names, leaf_names)
+            spec["nat"] = names[: min(self.wan.nat_nodes, self.cfg.honest_nodes)]
+            (self.run_dir / "wan.json").write_text(json.dumps(spec, indent=1))
+            self.spawn("wan", ["--spec", str(self.run_dir / "wan.json")], "wan",
+                       program=[sys.executable, "-m", "veriroll.deploy.wan"])
+            wait_listening(route_address(spec, spec["routes"][-1]["name"]))
+            upstream_of = {r: f"http://{route_address(spec, f'{r}->{up}')}" for r, up in
+                           ((r.name, r.upstream) for r in self.cfg.relays)}
+            grpc_of = {n: route_address(spec, f"{n}->grpc") for n in names}
+            relays_of = {n: [f"http://{route_address(spec, f'{n}->{r}')}" for r in leaf_names] for n in names}
         for r in self.cfg.relay_order():
             self.spawn(r.name, ["relay", "run", "--store", str(self.run_dir / r.name), "--port", str(relay_ports[r.name]),
-                                "--coordinator-key", pub, "--upstream", urls[r.upstream], "--poll-interval", "1",
+                                "--coordinator-key", pub, "--upstream", upstream_of[r.name], "--poll-interval", "1",
                                 # every node of the local testnet fetches from loopback: one address
                                 "--max-transfers-per-address", "0", "--max-connections-per-address", "0"], "relay")
-        kinds = [""] * self.cfg.honest_nodes + list(self.cfg.adversaries)
         from veriroll.protos.identity import write_keypair
 
-        for i, kind in enumerate(kinds):
-            name = f"node-{i + 1}" + (f"-{kind}" if kind else "")
+        nat = set(names[: min(self.wan.nat_nodes, self.cfg.honest_nodes)] if self.wan else [])
+        for name, kind in zip(names, kinds, strict=True):
             key = self.run_dir / name / "node.key"
             node_id = write_keypair(key, force=True).node_id
-            args = ["node", "run", "--coordinator", f"127.0.0.1:{ports['grpc']}", "--ca", str(self.coord_dir / "tls" / "ca.crt"),
+            args = ["node", "run", "--coordinator", grpc_of[name], "--ca", str(self.coord_dir / "tls" / "ca.crt"),
                     "--key", str(key), "--coordinator-key", pub, "--cache-dir", str(self.run_dir / name / "cache"),
                     "--threads", str(self.cfg.node_threads), "--display-name", name, "--heartbeat-s", "2",
                     "--status-file", str(self.run_dir / name / "status.json")]
-            for url in leaves:
+            for url in relays_of[name]:
                 args += ["--relay", url]
             if kind:
                 args += ["--adversary", kind]
             self.spawn(name, args, "adversary" if kind else "node", threads=self.cfg.node_threads, node_id=node_id,
-                       adversary=kind)
+                       adversary=kind, behind_nat=name in nat)
         return {"ports": ports, "init": info, "relays": urls}
 
     def stop(self) -> None:
@@ -149,6 +233,11 @@ class Testnet:
 
     # --- observing ---------------------------------------------------------------------------------
 
+    def broadcast_watch(self, origin_url: str = "") -> BroadcastWatch:
+        # Honest nodes only: an adversary is banned sooner or later and stops fetching.
+        nodes = {p.name: self.run_dir / p.name / "cache" for p in self.procs if p.role == "node"}
+        return BroadcastWatch(self.coord_dir / "shardcast", nodes, origin_url)
+
     def snapshot(self) -> dict:
         """What the coordinator's database says now (read-only; the coordinator keeps writing)."""
         path = self.coord_dir / "state.db"
@@ -164,7 +253,7 @@ class Testnet:
             conn.close()
         return {**snap, "history": snap["kv"].get("trainer_history") or []}
 
-    def summary(self, snap: dict, wall_s: float) -> dict:
+    def summary(self, snap: dict, wall_s: float, watch: BroadcastWatch | None = None) -> dict:
         by_node_name = {p.node_id: p for p in self.procs if p.node_id}
         rejections_by_reason: dict[str, int] = {}
         rejections_by_node: dict[str, dict[str, int]] = {}
@@ -194,6 +283,13 @@ class Testnet:
             "adversarial_accepted": adversarial_accepted,
             "wall_s": round(wall_s, 1),
             "policy_version": int(snap.get("kv", {}).get("policy_version", 0)),
+            "groups_per_s": round(int(snap.get("accepted_groups", 0)) / wall_s, 3) if wall_s > 0 else 0.0,
+            "staleness_hist": staleness_histogram(history),
+            "broadcast": watch.report() if watch else {},
+            "origin_bytes_by_version": {str(v): n for v, n in sorted(watch.origin_bytes.items())} if watch else {},
+            "wan": self.wan.profile if self.wan else None,
+            "wan_per_node": {str(k): v for k, v in self.wan.per_node.items()} if self.wan else {},
+            "nat_nodes": [p.name for p in self.procs if p.behind_nat],
             "run_dir": str(self.run_dir),
         }
 
@@ -202,6 +298,85 @@ class Testnet:
         if kv.get("trainer_done"):
             return True
         return bool(self.cfg.steps) and int(kv.get("trainer_step", 0)) >= self.cfg.steps
+
+
+def _ready_versions(directory: Path) -> dict[int, float]:
+    """Versions held whole under ``directory`` (a store or a node's cache), with when they became ready."""
+    found: dict[int, float] = {}
+    try:
+        entries = list(directory.iterdir())
+    except OSError:
+        return found
+    for entry in entries:
+        if entry.name[:1] == "v" and entry.name[1:].isdigit() and is_ready(entry):
+            try:
+                found[int(entry.name[1:])] = (entry / READY_NAME).stat().st_mtime
+            except OSError:
+                continue  # pruned between the listing and the look
+    return found
+
+
+class BroadcastWatch:
+    """How each version spread: when it was ready at the origin and at each node, and the origin's bytes.
+
+    Polled about once a second. Times are the ready markers' modification times, so they are exact
+    even though the polling is not; a version a node skipped (it wanted a newer one) never reaches it.
+    The origin's bytes are taken from its ``/status`` and put to the version that was newest while
+    they were served: close to "per version" as long as versions do not overlap much.
+    """
+
+    def __init__(self, origin_store: Path, node_caches: dict[str, Path], origin_url: str = ""):
+        self.origin_store = origin_store
+        self.node_caches = node_caches
+        self.origin_url = origin_url
+        self.published: dict[int, float] = {}
+        self.arrived: dict[int, dict[str, float]] = {}
+        self.origin_bytes: dict[int, int] = {}
+        self._served = 0
+
+    def poll(self) -> None:
+        for v, t in _ready_versions(self.origin_store).items():
+            self.published.setdefault(v, t)
+        for name, cache in self.node_caches.items():
+            # A node keeps its versions in a folder per coordinator key under its cache.
+            folders = [cache, *(d for d in (cache.iterdir() if cache.is_dir() else ()) if not d.name.startswith("v"))]
+            for folder in folders:
+                for v, t in _ready_versions(folder).items():
+                    self.arrived.setdefault(v, {}).setdefault(name, t)
+        if self.origin_url and self.published:
+            try:
+                with urllib.request.urlopen(f"{self.origin_url}/status", timeout=1) as resp:
+                    served = int(json.loads(resp.read())["load"]["bytes_served_total"])
+            except (OSError, ValueError, KeyError, TypeError):
+                return
+            newest = max(self.published)
+            self.origin_bytes[newest] = self.origin_bytes.get(newest, 0) + max(0, served - self._served)
+            self._served = served
+
+    def report(self) -> dict:
+        """Per version: nodes that hold it, and seconds from publishing until 50, 95 and 100 % of them did."""
+        return {str(v): {"nodes": len(self.arrived.get(v, {})),
+                         **reach_times(t0, list(self.arrived.get(v, {}).values()), len(self.node_caches))}
+                for v, t0 in sorted(self.published.items()) if v > 0}
+
+
+def reach_times(published: float, arrivals: list[float], nodes: int) -> dict[str, float | None]:
+    """Seconds from ``published`` until 50, 95 and 100 % of ``nodes`` held a version (None: not that many did)."""
+    delays = sorted(max(0.0, t - published) for t in arrivals)
+    out: dict[str, float | None] = {}
+    for pct in (50, 95, 100):
+        needed = max(1, -(-pct * nodes // 100))
+        out[f"to_{pct}pct_s"] = round(delays[needed - 1], 2) if nodes and len(delays) >= needed else None
+    return out
+
+
+def staleness_histogram(history: list[dict]) -> dict[str, int]:
+    """Samples trained on, by staleness (trainer version - the version that generated them), over the run."""
+    total: dict[int, int] = {}
+    for step in history:
+        for staleness, n in (step.get("staleness_hist") or {}).items():
+            total[int(staleness)] = total.get(int(staleness), 0) + int(n)
+    return {str(k): total[k] for k in sorted(total)}
 
 
 def render_table(net: Testnet, snap: dict, elapsed: float):
@@ -249,15 +424,17 @@ def plot_rewards(history: list[dict], out: Path) -> Path | None:
     return out
 
 
-def run(cfg: TestnetConfig, run_dir: Path, *, live: bool, as_json: bool) -> int:
-    net = Testnet(cfg, run_dir)
+def run(cfg: TestnetConfig, run_dir: Path, *, live: bool, as_json: bool, wan: WanPlan | None = None) -> int:
+    net = Testnet(cfg, run_dir, wan=wan)
     t0 = time.time()
     status = 1
     snap: dict = {}
+    watch: BroadcastWatch | None = None
     try:
         if not as_json:
             print(f"starting the testnet in {run_dir} (first start builds version 0: ~10-60 s)", file=sys.stderr)
-        net.start()
+        started = net.start()
+        watch = net.broadcast_watch(started["relays"]["origin"])
         console_live = None
         if live:
             from rich.live import Live
@@ -268,6 +445,7 @@ def run(cfg: TestnetConfig, run_dir: Path, *, live: bool, as_json: bool) -> int:
         while True:
             time.sleep(1.0)
             snap = net.snapshot() or snap
+            watch.poll()
             elapsed = time.time() - t0
             if console_live is not None:
                 console_live.update(render_table(net, snap, elapsed))
@@ -292,7 +470,9 @@ def run(cfg: TestnetConfig, run_dir: Path, *, live: bool, as_json: bool) -> int:
         print("interrupted; stopping the testnet", file=sys.stderr)
     finally:
         net.stop()
-    summary = net.summary(snap, time.time() - t0)
+    if watch is not None:
+        watch.poll()  # the versions that arrived in the last second
+    summary = net.summary(snap, time.time() - t0, watch)
     (run_dir / "metrics.json").write_text(json.dumps({"summary": summary, "trainer_history": snap.get("history", [])}))
     png = plot_rewards(snap.get("history", []), run_dir / "reward_curve.png")
     summary["reward_curve"] = str(png) if png else None
@@ -339,7 +519,28 @@ def cmd_testnet(args) -> int:
     cfg.coordinator = {**cfg.coordinator, **preset_coordinator}
     run_dir = Path(args.dir) if args.dir else Path("runs") / time.strftime("testnet-%Y%m%d-%H%M%S")
     live = sys.stderr.isatty() and not args.json and not args.no_live
-    return run(cfg, run_dir.resolve(), live=live, as_json=args.json)
+    return run(cfg, run_dir.resolve(), live=live, as_json=args.json, wan=wan_plan(args, cfg.honest_nodes))
+
+
+def wan_plan(args, honest_nodes: int) -> WanPlan | None:
+    """The ``--wan`` flags as a plan (None without ``--wan``); SystemExit with the reason on a bad profile."""
+    if not args.wan:
+        if args.wan_node or args.nat_nodes:
+            raise SystemExit("--wan-node and --nat-nodes need --wan (the profile of every other host)")
+        return None
+    per_node = {}
+    for item in args.wan_node or []:
+        number, sep, profile = item.partition("=")
+        if not sep or not number.strip().isdigit() or int(number) < 1:
+            raise SystemExit(f"--wan-node {item!r}: expected NODE=PROFILE, e.g. 2=rtt=300ms,down=10mbit")
+        per_node[int(number)] = profile
+    try:
+        for profile in [args.wan, *per_node.values()]:
+            parse_profile(profile)
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from None
+    nat = honest_nodes // 2 if args.nat_nodes is None else args.nat_nodes
+    return WanPlan(args.wan, per_node, max(0, min(nat, honest_nodes)))
 
 
 def register(subparsers) -> None:
@@ -353,6 +554,10 @@ def register(subparsers) -> None:
     q.add_argument("--dir", help="run directory (default runs/testnet-<time>)")
     q.add_argument("--json", action="store_true", help="print the final summary as one JSON line")
     q.add_argument("--no-live", action="store_true", help="plain progress lines instead of the live table")
+    q.add_argument("--wan", help="put every host behind an emulated link, e.g. 'rtt=100ms,down=100mbit,up=20mbit'")
+    q.add_argument("--wan-node", action="append", help="node NUMBER's own link: NUMBER=PROFILE (repeatable)")
+    q.add_argument("--nat-nodes", type=int, help="with --wan: honest nodes behind NAT, never given out as relays or "
+                                                 "peers (default: half of them)")
     q.set_defaults(func=cmd_testnet)
 
 

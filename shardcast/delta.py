@@ -71,9 +71,15 @@ def rebuild_shard(piece: bytes, base_fd: int, out_fd: int, offset: int, size: in
         raise DeltaError(f"the delta piece is not a zstd frame: {exc}") from exc
     if declared not in (-1, size):  # -1: the frame does not say; the loop below bounds it
         raise DeltaError(f"the delta piece declares {declared} bytes, the shard has {size}")
+    window = zstandard.get_frame_parameters(piece).window_size
+    if window > MAX_WINDOW_SIZE:
+        raise DeltaError(f"the delta piece asks for a {window >> 20} MiB window, over the "
+                         f"{MAX_WINDOW_SIZE >> 20} MiB a rebuild may use")
     hasher = hashlib.sha256()
     produced = 0
-    reader = zstandard.ZstdDecompressor(max_window_size=MAX_WINDOW_SIZE).stream_reader(piece)
+    # Across frames: bytes after the first frame count towards the shard's size (and are refused past
+    # it) instead of being skipped unread.
+    reader = zstandard.ZstdDecompressor(max_window_size=MAX_WINDOW_SIZE).stream_reader(piece, read_across_frames=True)
     try:
         with reader:
             while True:
