@@ -47,7 +47,7 @@ class SwarmBroadcast:
 
 
 async def broadcast_over_swarm(
-    origin_urls: Sequence[str],
+    origin_urls: Sequence[str] | Sequence[Sequence[str]],
     coordinator_key: PublicKey,
     version: int,
     nodes: int,
@@ -68,6 +68,11 @@ async def broadcast_over_swarm(
     ``fetch_version`` (e.g. ``fsync=False``).
     """
     workdir = Path(workdir)
+    # One list for every node, or a list per node (e.g. each node's own route to the origin through its link).
+    per_node = [list(u) for u in origin_urls] if origin_urls and not isinstance(origin_urls[0], str) else \
+        [list(origin_urls)] * nodes
+    if len(per_node) != nodes:
+        raise ValueError(f"{len(per_node)} lists of origin URLs for {nodes} nodes")
     swarms = [Swarm(listen=f"/ip4/{listen_host}/tcp/0", limits=limits) for _ in range(nodes)] if swarm else []
     try:
         for s in swarms:
@@ -83,7 +88,7 @@ async def broadcast_over_swarm(
 
         async def one(i: int) -> tuple[FetchResult, float]:
             result = await fetch_version(
-                origin_urls, coordinator_key, workdir / f"node-{i}", version,
+                per_node[i], coordinator_key, workdir / f"node-{i}", version,
                 swarm=swarms[i] if swarms else None, progress=False, **fetch_options,
             )  # fmt: skip
             return result, time.monotonic() - t0
@@ -93,7 +98,7 @@ async def broadcast_over_swarm(
         for s in swarms:
             with contextlib.suppress(Exception):
                 await s.stop()
-    origins = {normalize_relay_url(u) for u in origin_urls}
+    origins = {normalize_relay_url(u) for urls in per_node for u in urls}
     return SwarmBroadcast(
         version_bytes=results[0][0].manifest.total_size,
         origin_bytes=sum(stats.bytes for r, _ in results for url, stats in r.relays.items() if url in origins),
