@@ -98,7 +98,7 @@ class CoordinatorService:
                              probation_groups=cfg.intake.probation_groups, session_ttl_s=cfg.identity.session_ttl_s)
         # With a PostgreSQL store, other edge processes may share it: nonces go where all of them see them.
         self.door = Door(cfg, self.ledger, now, db=db, shared_nonces=st.store_pg.is_url(str(db.path)))
-        self.new_identities = NewIdentityLimiter.from_config(cfg.identity)
+        self.new_identities = NewIdentityLimiter.from_config(cfg.identity, shared_db=db if self.door.shared_nonces else None)
         self.peer_gate = PeerGate(cfg.server.max_inflight_per_address)
         self._log_identity_policy()
         # Verifier time per node key, address and network: shared by the lease desk (no work for a node
@@ -174,6 +174,11 @@ class CoordinatorService:
                                          log_event=bool(node_id))
                 refusal.counted = True
             raise
+        except st.StoreUnavailable as exc:  # counted in the metrics only: the store cannot take the row now
+            self.metrics.requests.inc(method=name, result=Reason.STORE_UNAVAILABLE.value)
+            self.ledger.counted(node_id, Reason.STORE_UNAVAILABLE)
+            raise Refusal(Reason.STORE_UNAVAILABLE, f"{exc}; nothing was accepted; retry in about 2 s",
+                          counted=True) from exc
         # Blind on purpose: any bug below the door is answered as a counted `internal` refusal (logged with
         # its traceback); nothing was accepted.
         except Exception as exc:
@@ -238,7 +243,7 @@ class CoordinatorService:
             raise Refusal(Reason.NODE_TOO_OLD, too_old)
         if node is None:
             refused = check_register_pow(self.cfg.identity.pow_bits, self.coordinator_key.raw, req, headers) \
-                or self.new_identities.allow(peer)
+                or await self.new_identities.take(peer)
             if refused is not None:
                 raise Refusal(*refused)
         h = req.hardware

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import re
+import time
 
 try:
     import psycopg
@@ -130,6 +131,17 @@ CREATE TABLE IF NOT EXISTS nonces (
     PRIMARY KEY (public_key, nonce)
 );
 CREATE INDEX IF NOT EXISTS nonces_expiry ON nonces(expires_ms);
+CREATE TABLE IF NOT EXISTS limit_buckets (
+    kind TEXT NOT NULL,
+    key TEXT NOT NULL,
+    tat_ms DOUBLE PRECISION NOT NULL,
+    PRIMARY KEY (kind, key)
+);
+CREATE INDEX IF NOT EXISTS limit_buckets_full ON limit_buckets(tat_ms);
+CREATE TABLE IF NOT EXISTS edges (
+    edge_id TEXT PRIMARY KEY,
+    seen_ms BIGINT NOT NULL
+);
 CREATE TABLE IF NOT EXISTS counters (
     name TEXT PRIMARY KEY,
     value BIGINT NOT NULL
@@ -233,27 +245,87 @@ def translate(sql: str) -> str:
     return sql.replace("?", "%s").replace("/*SKIP LOCKED*/", "FOR UPDATE SKIP LOCKED")
 
 
+class StoreUnavailable(Exception):
+    """The PostgreSQL server cannot be reached now (restarting, stopped, network): the statement was not run,
+    or its transaction was rolled back. Callers answer "unavailable, retry"; the connection reopens by itself."""
+
+
+RECONNECT_EVERY_S = 0.5
+"""While the server is down, a new connection is tried at most this often: every statement in between
+fails at once rather than waiting on a connect."""
+
+
 class PgConnection:
     """The part of ``sqlite3.Connection`` the store uses, on one psycopg connection in autocommit mode
-    (transactions are the store's own BEGIN / SAVEPOINT / COMMIT statements)."""
+    (transactions are the store's own BEGIN / SAVEPOINT / COMMIT statements).
+
+    When the server goes away (a restart closes every session) the statement raises
+    :class:`StoreUnavailable`; the connection is opened again on a later statement, but only one that
+    starts afresh (BEGIN, or any statement outside a transaction): a statement of a transaction that died
+    with the old connection must never run on the new one, outside that transaction.
+    """
 
     def __init__(self, url: str):
         if psycopg is None:
             raise RuntimeError("a postgresql:// database needs psycopg: pip install 'veriroll[postgres]'")
-        self._conn = psycopg.connect(url, autocommit=True, row_factory=_row_factory)
+        self._url = url
+        self._conn = self._open()
+        self._in_transaction = False
+        self._next_attempt = 0.0
+
+    def _open(self):
+        return psycopg.connect(self._url, autocommit=True, row_factory=_row_factory)
+
+    def _usable(self, sql: str):
+        """The connection to run ``sql`` on, reopened if it broke and ``sql`` may start afresh."""
+        verb = sql.strip().upper()
+        if verb in ("COMMIT", "ROLLBACK"):
+            was_in, self._in_transaction = self._in_transaction, False
+        else:
+            was_in = self._in_transaction
+            if verb in ("BEGIN", "BEGIN IMMEDIATE"):
+                self._in_transaction, was_in = True, False
+        if not (self._conn.broken or self._conn.closed):
+            return self._conn
+        if was_in:
+            raise StoreUnavailable("the connection to PostgreSQL was lost during this transaction; it was rolled back")
+        now = time.monotonic()
+        if now < self._next_attempt:
+            raise StoreUnavailable("PostgreSQL is unreachable; reconnecting")
+        try:
+            self._conn = self._open()
+        except psycopg.OperationalError as exc:
+            self._next_attempt = now + RECONNECT_EVERY_S
+            raise StoreUnavailable(f"PostgreSQL is unreachable: {first_line(exc)}") from exc
+        return self._conn
+
+    def _run(self, sql: str, run):
+        conn = self._usable(sql)
+        try:
+            return run(conn.cursor())
+        except psycopg.Error as exc:
+            if conn.broken or conn.closed:  # the transaction, if any, stays marked until its COMMIT/ROLLBACK
+                raise StoreUnavailable(f"the connection to PostgreSQL was lost: {first_line(exc)}") from exc
+            raise
 
     def execute(self, sql: str, params=()):
-        cur = self._conn.cursor()
-        cur.execute(translate(sql), tuple(params) if params else None)
-        return cur
+        def run(cur):
+            cur.execute(translate(sql), tuple(params) if params else None)
+            return cur
+        return self._run(sql, run)
 
     def executemany(self, sql: str, seq):
-        cur = self._conn.cursor()
-        cur.executemany(translate(sql), list(seq))
-        return cur
+        def run(cur):
+            cur.executemany(translate(sql), list(seq))
+            return cur
+        return self._run(sql, run)
 
     def close(self) -> None:
         self._conn.close()
+
+
+def first_line(exc: BaseException) -> str:
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
 
 
 def connect(url: str) -> PgConnection:
@@ -273,4 +345,4 @@ def connect(url: str) -> PgConnection:
 
 def errors() -> tuple[type[BaseException], ...]:
     """The exception types a PostgreSQL failure raises (for callers that catch database errors)."""
-    return () if psycopg is None else (psycopg.Error,)
+    return (StoreUnavailable,) if psycopg is None else (psycopg.Error, StoreUnavailable)

@@ -135,9 +135,8 @@ def test_a_whole_coordinator_runs_on_postgres(pg_url, tmp_path):
 def test_both_backends_have_the_same_tables_and_columns(tmp_path, pg_url):
     """A column added to one schema and not the other fails here, not on an operator's PostgreSQL."""
     lite = st.connect(tmp_path / "state.db")
-    sqlite_columns = {(t, r["name"]) for t in ("nodes", "prompts", "leases", "groups", "samples", "rejections",
-                                              "rejection_counts", "kv", "counters", "nonces")
-                      for r in lite.execute(f"PRAGMA table_info({t})")}
+    tables = [r[0] for r in lite.execute("SELECT name FROM sqlite_master WHERE type = 'table' AND name NOT LIKE 'sqlite_%'")]
+    sqlite_columns = {(t, r["name"]) for t in tables for r in lite.execute(f"PRAGMA table_info({t})")}
     pg = st.connect(pg_url)
     pg_columns = {(r[0], r[1]) for r in pg.execute(
         "SELECT table_name, column_name FROM information_schema.columns WHERE table_schema = 'public'")}
