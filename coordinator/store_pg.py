@@ -269,12 +269,16 @@ class PgConnection:
         if psycopg is None:
             raise RuntimeError("a postgresql:// database needs psycopg: pip install 'veriroll[postgres]'")
         self._url = url
-        self._conn = self._open()
         self._in_transaction = False
         self._next_attempt = 0.0
+        self._conn = self._open()
 
     def _open(self):
-        return psycopg.connect(self._url, autocommit=True, row_factory=_row_factory)
+        try:
+            return psycopg.connect(self._url, autocommit=True, row_factory=_row_factory)
+        except psycopg.OperationalError as exc:
+            self._next_attempt = time.monotonic() + RECONNECT_EVERY_S
+            raise StoreUnavailable(f"PostgreSQL is unreachable: {first_line(exc)}") from exc
 
     def _usable(self, sql: str):
         """The connection to run ``sql`` on, reopened if it broke and ``sql`` may start afresh."""
@@ -292,11 +296,7 @@ class PgConnection:
         now = time.monotonic()
         if now < self._next_attempt:
             raise StoreUnavailable("PostgreSQL is unreachable; reconnecting")
-        try:
-            self._conn = self._open()
-        except psycopg.OperationalError as exc:
-            self._next_attempt = now + RECONNECT_EVERY_S
-            raise StoreUnavailable(f"PostgreSQL is unreachable: {first_line(exc)}") from exc
+        self._conn = self._open()
         return self._conn
 
     def _run(self, sql: str, run):

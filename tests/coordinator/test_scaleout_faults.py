@@ -1,0 +1,310 @@
+"""Faults of a coordinator scaled out over several processes and one PostgreSQL store, on real processes
+(`veriroll coordinator run --role edge|trainer`) and a throwaway PostgreSQL cluster of this module's own
+(these tests stop and restart it):
+
+- one edge killed (SIGKILL) under load: the other keeps serving, nodes reconnect and go through, and every
+  accepted group is in the store once and trained at most once;
+- PostgreSQL stopped and restarted under an edge: requests are refused ``store_unavailable`` (UNAVAILABLE,
+  which nodes retry), never ``internal``; the edge reconnects by itself and the same node goes through;
+- limits that must hold across edges: a burst of new keys from one address, spread over two edges, gets
+  one budget.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import subprocess
+import time
+import urllib.request
+
+import grpc
+import pytest
+from support import make_coordinator_dir
+from test_edges import free_port, requests_served, start, wait_http
+from test_server import shaped_group
+
+from veriroll.coordinator import store as st
+from veriroll.protos.identity import PrivateKey
+from veriroll.protos.reasons import Reason
+from veriroll.protos.service import CallError, SignedStub, secure_channel
+from veriroll.protos.v1 import coordinator_pb2 as pb
+
+STORE_DOWN = Reason.STORE_UNAVAILABLE.value
+
+
+@pytest.fixture(scope="module")
+def faulty_pg():
+    """A PostgreSQL cluster these tests may stop and restart without disturbing the session's."""
+    from pg_cluster import Cluster, unavailable
+
+    why = unavailable()
+    if why is not None:
+        pytest.skip(why)
+    cluster = Cluster()
+    yield cluster
+    cluster.stop()
+
+
+def results_by_reason(http_port: int) -> dict[str, float]:
+    """``veriroll_requests_total`` of one process, summed over methods, by result."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/metrics", timeout=5) as r:
+        text = r.read().decode()
+    counts: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("veriroll_requests_total{") and 'result="' in line:
+            result = line.split('result="', 1)[1].split('"', 1)[0]
+            counts[result] = counts.get(result, 0.0) + float(line.rsplit(" ", 1)[1])
+    return counts
+
+
+def stop_all(procs: dict[str, subprocess.Popen]) -> None:
+    for proc in procs.values():
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+    for name, proc in procs.items():
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            pytest.fail(f"{name} did not stop on SIGTERM")
+
+
+class Node:
+    """A node's connection, made again after a failure (a killed edge leaves its connections dead)."""
+
+    def __init__(self, address: str, ca: bytes, key: PrivateKey | None = None):
+        self.address, self.ca = address, ca
+        self.key = key or PrivateKey.generate()
+        self.stub = self._connect()
+
+    def _connect(self) -> SignedStub:
+        return SignedStub(secure_channel(self.address, self.ca, server_name="localhost"), self.key, timeout=10)
+
+    async def reconnect(self) -> None:
+        await self.stub.channel.close()
+        self.stub = self._connect()
+
+    async def close(self) -> None:
+        await self.stub.channel.close()
+
+
+# --- the store under one process ----------------------------------------------------------------------------
+
+
+def test_a_postgres_store_refuses_while_the_server_is_down_and_reconnects_by_itself(faulty_pg):
+    db = st.Database(faulty_pg.new_database())
+    try:
+        db.run_sync(lambda c: st.kv_set(c, "before", 1))
+        faulty_pg.stop_server()
+        with pytest.raises(st.StoreUnavailable):
+            db.run_sync(lambda c: st.kv_set(c, "while_down", 1))
+        with pytest.raises(st.StoreUnavailable):
+            db.read(lambda c: st.kv_get(c, "before")).result()
+        faulty_pg.start_server()
+        failures = []
+        for _ in range(50):  # reconnects are tried at most every store_pg.RECONNECT_EVERY_S
+            try:
+                db.run_sync(lambda c: st.kv_set(c, "after", 1))
+                break
+            except st.StoreUnavailable as exc:
+                failures.append(exc)
+                time.sleep(0.1)
+        faulty_pg.restart()  # again, without a pause: connections closed under the store
+        values = None
+        for _ in range(50):
+            try:
+                values = db.read(lambda c: [st.kv_get(c, k) for k in ("before", "while_down", "after")]).result()
+                break
+            except st.StoreUnavailable as exc:
+                failures.append(exc)
+                time.sleep(0.1)
+    finally:
+        db.close()
+    assert values == [1, None, 1]  # the refused write did nothing; the others are there
+    assert len(failures) < 50 and all(isinstance(f, st.StoreUnavailable) for f in failures)
+
+
+# --- real edge processes ---------------------------------------------------------------------------------------
+
+
+def test_an_edge_refuses_store_unavailable_while_postgres_is_down_then_serves_the_same_node(faulty_pg, tmp_path):
+    url = faulty_pg.new_database()
+    base = make_coordinator_dir(tmp_path, {"database": url})
+    grpc_port, http_port = free_port(), free_port()
+    procs = {"edge": start(base, tmp_path / "edge.log", "--role=edge", f"server.port={grpc_port}",
+                           f"server.http_port={http_port}")}
+    try:
+        wait_http(http_port, procs["edge"], tmp_path / "edge.log")
+        ca = (base / "tls" / "ca.crt").read_bytes()
+
+        async def scenario():
+            node = Node(f"127.0.0.1:{grpc_port}", ca)
+            await node.stub.register(pb.RegisterRequest(public_key=node.key.public.raw, software_version="test"))
+            lease = (await node.stub.lease_work(pb.LeaseRequest())).leases[0]
+            assert (await node.stub.submit_group(shaped_group(lease))).accepted
+            faulty_pg.stop_server()
+            refused = []
+            for call in (lambda: node.stub.heartbeat(pb.HeartbeatRequest()),
+                         lambda: node.stub.lease_work(pb.LeaseRequest()), lambda: node.stub.get_ledger()):
+                with pytest.raises(CallError) as info:
+                    await call()
+                refused.append((info.value.code, info.value.reason))
+            faulty_pg.start_server()
+            while_back = []
+            for _ in range(100):
+                try:
+                    await node.stub.heartbeat(pb.HeartbeatRequest())
+                    break
+                except CallError as err:
+                    while_back.append((err.code, err.reason))
+                    await asyncio.sleep(0.1)
+            lease = (await node.stub.lease_work(pb.LeaseRequest())).leases[0]
+            accepted = (await node.stub.submit_group(shaped_group(lease))).accepted
+            await node.close()
+            return refused, while_back, accepted
+
+        refused, while_back, accepted = asyncio.run(scenario())
+        counts = results_by_reason(http_port)
+    finally:
+        stop_all(procs)
+    assert refused == [(grpc.StatusCode.UNAVAILABLE, STORE_DOWN)] * 3
+    assert len(while_back) < 100 and set(while_back) <= {(grpc.StatusCode.UNAVAILABLE, STORE_DOWN)}
+    assert accepted  # the same node, the same edge process: served again once PostgreSQL is back
+    assert counts.get(STORE_DOWN, 0) >= 3 and "internal" not in counts, counts
+    assert procs["edge"].returncode == 0
+    db = st.Database(url)
+    try:
+        assert db.run_sync(st.status_summary)["accepted_groups"] == 2
+    finally:
+        db.close()
+
+
+def test_new_keys_from_one_address_spread_over_two_edges_get_one_budget(faulty_pg, tmp_path):
+    url = faulty_pg.new_database()
+    base = make_coordinator_dir(tmp_path, {"database": url, "identity.exempt_networks": [],
+                                           "identity.new_burst_per_address": 3, "identity.new_per_hour_per_address": 1})
+    grpc_port = free_port()
+    http = {"edge-a": free_port(), "edge-b": free_port()}
+    procs = {name: start(base, tmp_path / f"{name}.log", "--role=edge", f"server.port={grpc_port}",
+                         f"server.http_port={port}") for name, port in http.items()}
+    try:
+        for name, proc in procs.items():
+            wait_http(http[name], proc, tmp_path / f"{name}.log")
+        ca = (base / "tls" / "ca.crt").read_bytes()
+
+        async def burst():
+            outcomes = []
+            for _ in range(16):  # each on its own connection: the kernel spreads them over the two edges
+                node = Node(f"127.0.0.1:{grpc_port}", ca)
+                try:
+                    await node.stub.register(pb.RegisterRequest(public_key=node.key.public.raw,
+                                                                software_version="test"))
+                    outcomes.append("ok")
+                except CallError as err:
+                    outcomes.append(err.reason)
+                await node.close()
+            return outcomes
+
+        outcomes = asyncio.run(burst())
+        served = {name: requests_served(port) for name, port in http.items()}
+    finally:
+        stop_all(procs)
+    assert served["edge-a"] > 0 and served["edge-b"] > 0, served  # both edges took registrations
+    assert sorted(outcomes) == ["new_identity_limited"] * 13 + ["ok"] * 3  # one budget of 3, not 3 per edge
+
+
+def test_killing_one_edge_under_load_loses_no_group_and_trains_none_twice(faulty_pg, tmp_path):
+    url = faulty_pg.new_database()
+    base = make_coordinator_dir(tmp_path, {"database": url, "trainer.enabled": True, "trainer.min_groups": 4,
+                                           "trainer.groups_per_step": 4, "trainer.lr": 1e-3,
+                                           "leases.probation_max_open": 8, "leases.max_open_per_node": 8})
+    grpc_port = free_port()
+    http = {"edge-a": free_port(), "edge-b": free_port(), "trainer": free_port()}
+    procs = {}
+    try:
+        for name in ("edge-a", "edge-b"):
+            procs[name] = start(base, tmp_path / f"{name}.log", "--role=edge", f"server.port={grpc_port}",
+                                f"server.http_port={http[name]}")
+        procs["trainer"] = start(base, tmp_path / "trainer.log", "role=trainer", f"server.http_port={http['trainer']}")
+        for name, proc in procs.items():
+            wait_http(http[name], proc, tmp_path / f"{name}.log")
+        ca = (base / "tls" / "ca.crt").read_bytes()
+        acked: list[str] = []
+        killed = asyncio.Event()
+        after_kill: dict[int, int] = {}
+
+        async def work(i: int, node: Node, until: int) -> list[str]:
+            """Lease and submit until ``until`` groups are acknowledged in all; a failed call reconnects and
+            is sent again (freshly signed), a submission until it is answered."""
+            errors = []
+            await node.stub.register(pb.RegisterRequest(public_key=node.key.public.raw, software_version="test"))
+            while len(acked) < until:
+                try:
+                    leased = await node.stub.lease_work(pb.LeaseRequest())
+                except CallError as err:
+                    errors.append(err.reason)
+                    await node.reconnect()
+                    continue
+                if not leased.leases:
+                    await asyncio.sleep(max(0.05, leased.retry_after_ms / 1000))
+                    continue
+                group = shaped_group(leased.leases[0])
+                while True:
+                    try:
+                        answer = await node.stub.submit_group(group)
+                        break
+                    except CallError as err:
+                        errors.append(err.reason)
+                        await node.reconnect()
+                if answer.accepted:
+                    acked.append(group.lease_id)
+                    if killed.is_set():
+                        after_kill[i] = after_kill.get(i, 0) + 1
+            return errors
+
+        async def load():
+            nodes = [Node(f"127.0.0.1:{grpc_port}", ca) for _ in range(4)]
+            workers = [asyncio.create_task(work(i, node, until=40)) for i, node in enumerate(nodes)]
+            while len(acked) < 12:
+                await asyncio.sleep(0.05)
+            served_before = {name: requests_served(http[name]) for name in ("edge-a", "edge-b")}
+            procs["edge-a"].send_signal(signal.SIGKILL)
+            procs["edge-a"].wait(10)
+            killed.set()
+            errors = await asyncio.gather(*workers)
+            for node in nodes:
+                await node.close()
+            return served_before, errors
+
+        served_before, errors = asyncio.run(asyncio.wait_for(load(), 240))
+        # Let the trainer take what is queued, then stop everything and read the store.
+        time.sleep(3)
+    finally:
+        stop_all(procs)
+    db = st.Database(url)
+    try:
+        stored = db.run_sync(lambda c: [r[0] for r in c.execute("SELECT lease_id FROM groups")])
+        consumed = db.run_sync(lambda c: c.execute("SELECT COUNT(*) FROM groups WHERE consumed_step IS NOT NULL")
+                               .fetchone()[0])
+        history = db.run_sync(lambda c: st.kv_get(c, "trainer_history", []))
+    finally:
+        db.close()
+    assert served_before["edge-a"] > 0 and served_before["edge-b"] > 0, served_before
+    assert len(acked) >= 40 and len(set(acked)) == len(acked)
+    assert sorted(stored) == sorted(acked)  # every acknowledged group stored exactly once, nothing else
+    assert len(after_kill) == 4, after_kill  # every node went through the surviving edge
+    assert consumed >= 4 and sum(step["groups"] for step in history) == consumed  # no group trained twice
+    assert procs["edge-b"].returncode == 0 and procs["trainer"].returncode == 0
+    # What a node saw of the kill: its connection failing (transport codes), never a refusal of its work.
+    assert {e for errs in errors for e in errs} <= {"unavailable", "cancelled", "unknown", "deadline_exceeded"}, errors
+
+
+def test_reasons_the_faults_use_are_retried_by_nodes():
+    """store_unavailable is UNAVAILABLE, which a node retries with its backoff; it is never a strike."""
+    from veriroll.node.agent import RETRYABLE
+
+    assert Reason.STORE_UNAVAILABLE.code is grpc.StatusCode.UNAVAILABLE and Reason.STORE_UNAVAILABLE.code in RETRYABLE
+    assert not Reason.STORE_UNAVAILABLE.strike
+
+
