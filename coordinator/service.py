@@ -170,8 +170,11 @@ class CoordinatorService:
             if not refusal.counted:
                 # The door's refusals of a known key (banned, over its rate) count against that key but leave
                 # no event row: they are what a flood is made of, and the key's rate limit does not bound them.
-                await self.ledger.refuse(node_id or refusal.node_id, refusal.reason, refusal.detail,
-                                         log_event=bool(node_id))
+                try:
+                    await self.ledger.refuse(node_id or refusal.node_id, refusal.reason, refusal.detail,
+                                             log_event=bool(node_id))
+                except st.StoreUnavailable:  # the refusal stands; the store cannot take its row now
+                    self.ledger.counted(node_id or refusal.node_id, refusal.reason)
                 refusal.counted = True
             raise
         except st.StoreUnavailable as exc:  # counted in the metrics only: the store cannot take the row now
