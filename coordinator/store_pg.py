@@ -282,13 +282,10 @@ class PgConnection:
 
     def _usable(self, sql: str):
         """The connection to run ``sql`` on, reopened if it broke and ``sql`` may start afresh."""
-        verb = sql.strip().upper()
-        if verb in ("COMMIT", "ROLLBACK"):
-            was_in, self._in_transaction = self._in_transaction, False
-        else:
-            was_in = self._in_transaction
-            if verb in ("BEGIN", "BEGIN IMMEDIATE"):
-                self._in_transaction, was_in = True, False
+        bound = transaction_bound(sql)
+        was_in = self._in_transaction and bound != "begin"
+        if bound is not None:
+            self._in_transaction = bound == "begin"
         if not (self._conn.broken or self._conn.closed):
             return self._conn
         if was_in:
@@ -322,6 +319,16 @@ class PgConnection:
 
     def close(self) -> None:
         self._conn.close()
+
+
+@functools.lru_cache(maxsize=4096)
+def transaction_bound(sql: str) -> str | None:
+    """"begin" for a statement that opens a transaction, "end" for one that closes it (COMMIT, ROLLBACK;
+    not ROLLBACK TO a savepoint), else None."""
+    verb = sql.strip().upper()
+    if verb in ("BEGIN", "BEGIN IMMEDIATE"):
+        return "begin"
+    return "end" if verb in ("COMMIT", "ROLLBACK") else None
 
 
 def first_line(exc: BaseException) -> str:

@@ -98,8 +98,12 @@ class VerifierBudget:
                         in budget_scopes(per_identity, per_address, per_prefix)]
 
     @classmethod
-    def from_config(cls, intake, *, clock: Callable[[], float] = time.monotonic) -> VerifierBudget:
-        """The budget that ``intake`` (an :class:`~veriroll.coordinator.config.IntakeConfig`) sets."""
+    def from_config(cls, intake, *, clock: Callable[[], float] = time.monotonic,
+                    shared_db=None) -> VerifierBudget | SharedVerifierBudget:
+        """The budget that ``intake`` (an :class:`~veriroll.coordinator.config.IntakeConfig`) sets; kept in
+        ``shared_db`` when given (a store other edge processes share), else in this process."""
+        if shared_db is not None:
+            return SharedVerifierBudget.from_config(intake, shared_db)
         return cls(intake.verify_seconds_per_minute_per_identity, intake.verify_seconds_per_minute_per_address,
                    intake.verify_seconds_per_minute_per_prefix, clock=clock)
 
@@ -125,6 +129,14 @@ class VerifierBudget:
         now = self.clock()
         for _, buckets, key_of in self._scopes:
             buckets.take(key_of(node_id, address), seconds, now)
+
+    async def check(self, node_id: str, address: str) -> Rejection | None:
+        """:meth:`reserve`, with the signature of :meth:`SharedVerifierBudget.check`."""
+        return self.reserve(node_id, address)
+
+    async def spend(self, node_id: str, address: str, seconds: float) -> None:
+        """:meth:`charge`, with the signature of :meth:`SharedVerifierBudget.spend`."""
+        self.charge(node_id, address, seconds)
 
     def tracked(self) -> dict[str, int]:
         """Buckets held per scope (bounded by ``max_keys`` each)."""

@@ -312,3 +312,39 @@ def test_reasons_the_faults_use_are_retried_by_nodes():
     assert not Reason.STORE_UNAVAILABLE.strike
 
 
+
+
+def test_edges_count_each_other_through_the_store_and_split_the_request_limits(store_target):
+    """Each edge enforces 1/N of the per-key and per-address limits, N from the heartbeat rows; an edge that
+    stops beating leaves N after the TTL, and the survivors take the whole limit back."""
+    from veriroll.coordinator.admission import RateLimiter
+    from veriroll.coordinator.edge import LiveEdges
+
+    db = st.Database(store_target)
+    now = [10_000_000]
+    limits = [RateLimiter(20.0, 60.0), RateLimiter(20.0, 60.0)]
+    edges = [LiveEdges(db, lambda: now[0], limit.split) for limit in limits]
+
+    async def beat(*which: int) -> None:
+        for i in which:
+            edges[i].poll()
+            await edges[i]._beating
+
+    async def scenario():
+        await beat(0, 1)
+        counts = [edges[0].count, edges[1].count]  # the first beat of edge 0 saw only itself
+        now[0] += LiveEdges.BEAT_MS
+        await beat(0, 1)
+        counts += [edges[0].count, edges[1].count]
+        shares = [(limit.rate, limit.burst) for limit in limits]
+        now[0] += LiveEdges.TTL_MS + 1  # edge 1 went silent (killed, or idle)
+        await beat(0)
+        return counts, shares
+
+    try:
+        counts, shares = asyncio.run(scenario())
+    finally:
+        db.close()
+    assert counts == [1, 2, 2, 2]
+    assert shares == [(10.0, 30.0), (10.0, 30.0)]
+    assert edges[0].count == 1 and (limits[0].rate, limits[0].burst) == (20.0, 60.0)

@@ -162,3 +162,21 @@ def test_edges_sharing_a_store_share_one_verifier_budget(store_target):
     assert fresh is None and after_one is None and neighbour is None and repaid is None
     assert in_debt is not None and in_debt.reason is Reason.RATE_LIMITED
     assert "node key (k)" in in_debt.detail and "retry in 12 s" in in_debt.detail
+
+
+def test_the_configured_budget_is_shared_when_given_a_store_and_local_otherwise(tmp_path):
+    import asyncio
+
+    from veriroll.coordinator import store as st
+    from veriroll.coordinator.verify_budget import SharedVerifierBudget
+
+    intake = CoordinatorConfig().intake
+    local = VerifierBudget.from_config(intake)
+    assert asyncio.run(local.check("k", "10.0.0.1")) is None
+    asyncio.run(local.spend("k", "10.0.0.1", intake.verify_seconds_per_minute_per_identity + 1))
+    assert asyncio.run(local.check("k", "10.0.0.1")).reason is Reason.RATE_LIMITED  # the same calls, in memory
+    db = st.Database(tmp_path / "state.db")
+    try:
+        assert isinstance(VerifierBudget.from_config(intake, shared_db=db), SharedVerifierBudget)
+    finally:
+        db.close()
