@@ -180,8 +180,7 @@ class CoordinatorService:
         except st.StoreUnavailable as exc:  # counted in the metrics only: the store cannot take the row now
             self.metrics.requests.inc(method=name, result=Reason.STORE_UNAVAILABLE.value)
             self.ledger.counted(node_id, Reason.STORE_UNAVAILABLE)
-            raise Refusal(Reason.STORE_UNAVAILABLE, f"{exc}; nothing was accepted; retry in about 2 s",
-                          counted=True) from exc
+            raise Refusal(Reason.STORE_UNAVAILABLE, f"{exc}; retry in about 2 s", counted=True) from exc
         # Blind on purpose: any bug below the door is answered as a counted `internal` refusal (logged with
         # its traceback); nothing was accepted.
         except Exception as exc:

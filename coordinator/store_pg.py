@@ -247,7 +247,9 @@ def translate(sql: str) -> str:
 
 class StoreUnavailable(Exception):
     """The PostgreSQL server cannot be reached now (restarting, stopped, network): the statement was not run,
-    or its transaction was rolled back. Callers answer "unavailable, retry"; the connection reopens by itself."""
+    or its transaction was rolled back, or (the connection lost during COMMIT) it is unknown whether it
+    committed; the store's operations are safe to retry (a group submitted again is answered as the first
+    time). Callers answer "unavailable, retry"; the connection reopens by itself."""
 
 
 RECONNECT_EVERY_S = 0.5

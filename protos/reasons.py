@@ -169,8 +169,8 @@ _MESSAGES = {
     Reason.SAMPLING_FAILED: "the tokens are not the seeded draw from the trusted logits",
     Reason.LOGPROB_MISMATCH: "the claimed log-probs differ from the trusted ones",
     Reason.UNAVAILABLE: "the coordinator is busy; retry later",
-    Reason.STORE_UNAVAILABLE: ("the coordinator cannot reach its database right now (restarting?); nothing was "
-                               "accepted; retry in a few seconds"),
+    Reason.STORE_UNAVAILABLE: ("the coordinator cannot reach its database right now (restarting?); retry in a few "
+                               "seconds (a group submitted again is answered as the first time)"),
     Reason.INTERNAL: "the coordinator failed to process the request; it was not accepted",
 }
 
