@@ -143,9 +143,10 @@ def test_an_edge_refuses_store_unavailable_while_postgres_is_down_then_serves_th
             await node.stub.register(pb.RegisterRequest(public_key=node.key.public.raw, software_version="test"))
             lease = (await node.stub.lease_work(pb.LeaseRequest())).leases[0]
             assert (await node.stub.submit_group(shaped_group(lease))).accepted
+            pending = shaped_group((await node.stub.lease_work(pb.LeaseRequest())).leases[0])
             faulty_pg.stop_server()
             refused = []
-            for call in (lambda: node.stub.heartbeat(pb.HeartbeatRequest()),
+            for call in (lambda: node.stub.heartbeat(pb.HeartbeatRequest()), lambda: node.stub.submit_group(pending),
                          lambda: node.stub.lease_work(pb.LeaseRequest()), lambda: node.stub.get_ledger()):
                 with pytest.raises(CallError) as info:
                     await call()
@@ -163,8 +164,9 @@ def test_an_edge_refuses_store_unavailable_while_postgres_is_down_then_serves_th
                 except CallError as err:
                     while_back.append((err.code, err.reason))
                     await asyncio.sleep(0.1)
+            accepted = [(await node.stub.submit_group(pending)).accepted]  # the refused group, sent again
             lease = (await node.stub.lease_work(pb.LeaseRequest())).leases[0]
-            accepted = (await node.stub.submit_group(shaped_group(lease))).accepted
+            accepted.append((await node.stub.submit_group(shaped_group(lease))).accepted)
             await node.close()
             return refused, while_back, accepted
 
@@ -172,14 +174,14 @@ def test_an_edge_refuses_store_unavailable_while_postgres_is_down_then_serves_th
         counts = results_by_reason(http_port)
     finally:
         stop_all(procs)
-    assert refused == [(grpc.StatusCode.UNAVAILABLE, STORE_DOWN)] * 3 + [(grpc.StatusCode.UNAUTHENTICATED, "clock_skew")]
+    assert refused == [(grpc.StatusCode.UNAVAILABLE, STORE_DOWN)] * 4 + [(grpc.StatusCode.UNAUTHENTICATED, "clock_skew")]
     assert len(while_back) < 100 and set(while_back) <= {(grpc.StatusCode.UNAVAILABLE, STORE_DOWN)}
-    assert accepted  # the same node, the same edge process: served again once PostgreSQL is back
-    assert counts.get(STORE_DOWN, 0) >= 3 and "internal" not in counts, counts
+    assert accepted == [True, True]  # the same node, the same edge process: served again once PostgreSQL is back
+    assert counts.get(STORE_DOWN, 0) >= 4 and "internal" not in counts, counts
     assert procs["edge"].returncode == 0
     db = st.Database(url)
     try:
-        assert db.run_sync(st.status_summary)["accepted_groups"] == 2
+        assert db.run_sync(st.status_summary)["accepted_groups"] == 3
     finally:
         db.close()
 
