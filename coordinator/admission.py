@@ -20,6 +20,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
+from veriroll.coordinator import store as st
 from veriroll.protos.envelope import SignedHeaders
 from veriroll.protos.pow import Challenge
 from veriroll.protos.reasons import Reason
@@ -87,7 +88,17 @@ class RateLimiter:
 
     def __init__(self, rate: float, burst: float, *, max_keys: int = 100_000):
         self.rate, self.burst, self.max_keys = rate, burst, max_keys
+        self.configured = (rate, burst)
         self._buckets: dict[object, TokenBucket] = {}
+
+    def split(self, parts: int) -> None:
+        """Enforce ``1/parts`` of the configured rate and burst: the other ``parts - 1`` edge processes
+        enforce the rest. The burst stays at least one request, or nothing would ever pass."""
+        rate, burst = self.configured
+        self.rate, self.burst = rate / parts, max(1.0, burst / parts)
+        for bucket in self._buckets.values():
+            bucket.rate, bucket.burst = self.rate, self.burst
+            bucket.tokens = min(bucket.tokens, self.burst)
 
     def allow(self, key: object, now: float | None = None) -> bool:
         bucket = self._buckets.get(key)
@@ -196,33 +207,89 @@ class NewIdentityLimiter:
         self.by_prefix = _HourlyBudget(per_hour_per_prefix, burst_per_prefix, max_tracked)
 
     @classmethod
-    def from_config(cls, cfg) -> NewIdentityLimiter:
-        """From the coordinator's ``[identity]`` section (``coordinator.config.IdentityConfig``)."""
+    def from_config(cls, cfg, *, shared_db=None) -> NewIdentityLimiter | SharedNewIdentityLimiter:
+        """From the coordinator's ``[identity]`` section (``coordinator.config.IdentityConfig``); kept in
+        ``shared_db`` when given (a store that other edge processes share), else in this process."""
+        if shared_db is not None:
+            return SharedNewIdentityLimiter(cls.from_config(cfg), shared_db)
         return cls(per_hour_per_address=cfg.new_per_hour_per_address, burst_per_address=cfg.new_burst_per_address,
                    per_hour_per_prefix=cfg.new_per_hour_per_prefix, burst_per_prefix=cfg.new_burst_per_prefix,
                    prefix_v4=cfg.prefix_v4, prefix_v6=cfg.prefix_v6, exempt=cfg.exempt_networks,
                    max_tracked=cfg.max_tracked)
 
-    def allow(self, address: str) -> tuple[Reason, str] | None:
-        """None when a new key from ``address`` may register now (a token is taken); else the refusal and why."""
+    def levels(self, address: str) -> list[tuple[_HourlyBudget, str, str]]:
+        """The budgets a new key from ``address`` takes from: (budget, key, what it is), the address's then
+        the prefix's, leaving out levels switched off and every level of an exempt network."""
         ip = _ip(address)
         if ip is not None and any(ip in net for net in self.exempt):
-            return None
+            return []
         addr_key = UNPARSED if ip is None else str(ip)
         prefix_key = prefix_of(address, v4=self.prefix_v4, v6=self.prefix_v6)
-        now = self.clock()
-        levels = [(budget, key, what) for budget, key, what in (
+        return [(budget, key, what) for budget, key, what in (
             (self.by_address, addr_key, f"address {addr_key}"), (self.by_prefix, prefix_key, f"network {prefix_key}"))
             if budget.rate > 0]
+
+    def allow(self, address: str) -> tuple[Reason, str] | None:
+        """None when a new key from ``address`` may register now (a token is taken); else the refusal and why."""
+        levels = self.levels(address)
+        now = self.clock()
         held = [budget.tokens(key, now) for budget, key, _ in levels]
         for (budget, _, what), tokens in zip(levels, held, strict=True):
             if tokens < 1.0:
-                wait_s = (1.0 - tokens) / budget.rate
-                return (Reason.NEW_IDENTITY_LIMITED, f"{what} is over its limit of new keys ({budget.rate * 3600:g} "
-                                                     f"per hour, {budget.burst:g} at once); retry in {wait_s:.0f} s")
+                return over_new_key_limit(what, budget.rate, budget.burst, tokens)
         for (budget, key, _), tokens in zip(levels, held, strict=True):
             budget.take(key, tokens, now)
         return None
+
+    async def take(self, address: str) -> tuple[Reason, str] | None:
+        """:meth:`allow`, with the signature of :meth:`SharedNewIdentityLimiter.take`."""
+        return self.allow(address)
+
+
+def over_new_key_limit(what: str, per_s: float, burst: float, tokens: float) -> tuple[Reason, str]:
+    wait_s = (1.0 - tokens) / per_s
+    return (Reason.NEW_IDENTITY_LIMITED, f"{what} is over its limit of new keys ({per_s * 3600:g} per hour, "
+                                         f"{burst:g} at once); retry in {wait_s:.0f} s")
+
+
+class SharedNewIdentityLimiter:
+    """:class:`NewIdentityLimiter`'s budgets kept in the store, so that they hold across every edge process
+    that shares it: N edges give an address one budget, not N.
+
+    One store round trip per Register of an unknown key (rare, and it already paid a proof of work): both
+    levels are taken in one transaction, each by one atomic statement, or neither (``store.take_from_bucket``,
+    ``store.return_to_bucket``). The address parsing, exemptions and limits are ``limits``'s.
+    """
+
+    def __init__(self, limits: NewIdentityLimiter, db, *, clock_ms: Callable[[], float] = lambda: time.time() * 1000):
+        self.limits = limits
+        self.db = db
+        self.clock_ms = clock_ms
+
+    async def take(self, address: str) -> tuple[Reason, str] | None:
+        """None when a new key from ``address`` may register now (a token was taken from every level in the
+        store); else the refusal and why. Raises ``store.StoreUnavailable`` when the store is down."""
+        budgets = [("new_keys_address" if budget is self.limits.by_address else "new_keys_prefix", key, what,
+                    st.BucketRate(budget.rate, budget.burst)) for budget, key, what in self.limits.levels(address)]
+        if not budgets:
+            return None
+        now = self.clock_ms()
+
+        def take_all(conn) -> tuple[str, st.BucketRate, float] | None:
+            taken = []
+            for kind, key, what, rate in budgets:
+                if not st.take_from_bucket(conn, kind, key, rate, 1.0, now):
+                    for taken_kind, taken_key, taken_rate in taken:
+                        st.return_to_bucket(conn, taken_kind, taken_key, taken_rate, 1.0)
+                    return what, rate, st.bucket_level(conn, kind, key, rate, now)
+                taken.append((kind, key, rate))
+            return None
+
+        refused = await self.db.run(take_all)
+        if refused is None:
+            return None
+        what, rate, tokens = refused
+        return over_new_key_limit(what, rate.per_s, rate.burst, tokens)
 
 
 def check_register_pow(required_bits: int, coordinator_key: bytes, req: pb.RegisterRequest,

@@ -7,6 +7,9 @@ the service counts the refusal once (see ``ledger.py``).
 
 from __future__ import annotations
 
+import asyncio
+import logging
+import secrets
 from collections.abc import Callable
 
 from veriroll.coordinator import store as st
@@ -51,11 +54,69 @@ def banned(node: NodeInfo) -> Refusal:
 UNBANNED_METHODS = frozenset({"GetLedger"})
 """What a banned key may still call: reading its own ledger, so a volunteer can learn why it was banned."""
 
+log = logging.getLogger("veriroll.coordinator")
+
+
+class LiveEdges:
+    """How many edge processes serve from the shared store now, so that each enforces its share of the
+    per-key and per-address request limits.
+
+    Those limits run on every request, too often for a store trip each. So each edge keeps its buckets in
+    memory and enforces 1/N of the configured rate and burst (at least one request of burst), N being the
+    edges that wrote their heartbeat row (``store.beat_edge``) within ``TTL_MS``. An edge beats at most
+    every ``BEAT_MS``, from its own requests (an idle edge drops out of N after the TTL, and its first
+    request beats again); the same write forgets refilled shared buckets (``store.forget_full_buckets``).
+
+    Worst cases: an attacker whose connections land on every edge gets the configured limit in all, plus
+    up to 1/(N+1) more for one beat period after an edge starts serving (the others still divide by N).
+    An honest node (one connection, so one edge under SO_REUSEPORT or a TCP balancer) gets 1/N of it; a
+    killed edge is counted for one TTL more, during which the others enforce less, never more. Routing by
+    key instead would give each key its whole limit on one edge, but a restarted or killed edge moves its
+    keys to others with full buckets; with 1/N nothing moves. Nonces are in the store either way, so no
+    route lets a replay through.
+    """
+
+    BEAT_MS = 2000
+    TTL_MS = 6000
+
+    def __init__(self, db, clock: Callable[[], int], on_count: Callable[[int], None]):
+        self.db = db
+        self.clock = clock
+        self.on_count = on_count
+        self.edge_id = secrets.token_hex(8)
+        self.count = 1
+        self._due_ms = 0
+        self._beating: asyncio.Task | None = None
+
+    def poll(self) -> None:
+        """Beat if one is due; called on every request, so it only compares a clock when none is."""
+        now = self.clock()
+        if now < self._due_ms or (self._beating is not None and not self._beating.done()):
+            return
+        self._due_ms = now + self.BEAT_MS
+        self._beating = asyncio.get_running_loop().create_task(self._beat(now), name="veriroll-edge-beat")
+
+    async def _beat(self, now: int) -> None:
+        def beat(conn) -> int:
+            st.forget_full_buckets(conn, now)
+            return st.beat_edge(conn, self.edge_id, now, self.TTL_MS)
+
+        try:
+            count = await self.db.run(beat)
+        except (RuntimeError, *st.DB_ERRORS) as exc:  # the store is down or closing: keep the last count
+            log.warning("edge heartbeat failed (%s); still enforcing 1/%d of the request limits", exc, self.count)
+            return
+        if count != self.count:
+            log.info("%d edge processes share the store: each enforces 1/%d of the request limits", count, count)
+            self.count = count
+            self.on_count(count)
+
 
 class Door:
-    """``shared_nonces``: nonces are recorded in the store (``store.use_nonce``) rather than in this
-    process's memory, so that a request replayed to another edge process sharing the store is refused
-    too, and a restart forgets nothing; requests signed before this process started are then fine."""
+    """``shared_nonces``: other edge processes share the store. Nonces are then recorded in the store
+    (``store.use_nonce``) rather than in this process's memory, so that a request replayed to another edge
+    is refused too, and a restart forgets nothing (requests signed before this process started are then
+    fine); and the request rate limits are split among the live edges (:class:`LiveEdges`)."""
 
     def __init__(self, cfg: CoordinatorConfig, ledger: Ledger, clock: Callable[[], int], *, db=None,
                  shared_nonces: bool = False):
@@ -69,10 +130,17 @@ class Door:
         self.nonces = NonceStore(self.window_ms, not_before_ms=0 if shared_nonces else clock() - 1000)
         self.key_limits = RateLimiter(s.key_rate_per_s, s.key_burst)
         self.peer_limits = RateLimiter(s.peer_rate_per_s, s.peer_burst)
+        self.edges = LiveEdges(db, clock, self._split_limits) if shared_nonces else None
+
+    def _split_limits(self, edges: int) -> None:
+        self.key_limits.split(edges)
+        self.peer_limits.split(edges)
 
     async def admit(self, method: str, name: str, body: bytes, headers: SignedHeaders, peer: str) -> NodeInfo | None:
         """Signature, replay window, identity, ban and rate checks. Returns the caller (None for a Register
         from a key not yet registered); a banned key only for :data:`UNBANNED_METHODS`."""
+        if self.edges is not None:
+            self.edges.poll()
         if not self.peer_limits.allow(peer):
             raise Refusal(Reason.RATE_LIMITED, "too many requests from this address")
         # parse_headers already refused these; checked again (a cached lookup) so that no signature is
@@ -99,8 +167,8 @@ class Door:
         if node is not None and node.standing == Standing.BANNED and name not in UNBANNED_METHODS:
             raise banned(node)
         if not self.key_limits.allow(headers.public_key.raw):
-            raise Refusal(Reason.RATE_LIMITED, f"too many requests for this key (over {self.cfg.server.key_rate_per_s:g}/s, "
-                                               f"bursts of {self.cfg.server.key_burst:g})",
+            raise Refusal(Reason.RATE_LIMITED, f"too many requests for this key (over {self.key_limits.rate:g}/s, "
+                                               f"bursts of {self.key_limits.burst:g})",
                           node_id=node.node_id if node is not None else "")
         return node
 

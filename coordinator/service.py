@@ -101,7 +101,7 @@ class CoordinatorService:
                              probation_groups=cfg.intake.probation_groups, session_ttl_s=cfg.identity.session_ttl_s)
         # With a PostgreSQL store, other edge processes may share it: nonces go where all of them see them.
         self.door = Door(cfg, self.ledger, now, db=db, shared_nonces=st.store_pg.is_url(str(db.path)))
-        self.new_identities = NewIdentityLimiter.from_config(cfg.identity)
+        self.new_identities = NewIdentityLimiter.from_config(cfg.identity, shared_db=db if self.door.shared_nonces else None)
         self.peer_gate = PeerGate(cfg.server.max_inflight_per_address)
         self._log_identity_policy()
         # Verifier time per node key, address and network: shared by the lease desk (no work for a node
@@ -173,10 +173,17 @@ class CoordinatorService:
             if not refusal.counted:
                 # The door's refusals of a known key (banned, over its rate) count against that key but leave
                 # no event row: they are what a flood is made of, and the key's rate limit does not bound them.
-                await self.ledger.refuse(node_id or refusal.node_id, refusal.reason, refusal.detail,
-                                         log_event=bool(node_id))
+                try:
+                    await self.ledger.refuse(node_id or refusal.node_id, refusal.reason, refusal.detail,
+                                             log_event=bool(node_id))
+                except st.StoreUnavailable:  # the refusal stands; the store cannot take its row now
+                    self.ledger.counted(node_id or refusal.node_id, refusal.reason)
                 refusal.counted = True
             raise
+        except st.StoreUnavailable as exc:  # counted in the metrics only: the store cannot take the row now
+            self.metrics.requests.inc(method=name, result=Reason.STORE_UNAVAILABLE.value)
+            self.ledger.counted(node_id, Reason.STORE_UNAVAILABLE)
+            raise Refusal(Reason.STORE_UNAVAILABLE, f"{exc}; retry in about 2 s", counted=True) from exc
         # Blind on purpose: any bug below the door is answered as a counted `internal` refusal (logged with
         # its traceback); nothing was accepted.
         except Exception as exc:
@@ -242,7 +249,7 @@ class CoordinatorService:
             raise Refusal(Reason.NODE_TOO_OLD, too_old)
         if node is None:
             refused = check_register_pow(self.cfg.identity.pow_bits, self.coordinator_key.raw, req, headers) \
-                or self.new_identities.allow(peer)
+                or await self.new_identities.take(peer)
             if refused is not None:
                 raise Refusal(*refused)
         h = req.hardware

@@ -133,6 +133,19 @@ CREATE TABLE IF NOT EXISTS nonces (
     PRIMARY KEY (public_key, nonce)
 );
 CREATE INDEX IF NOT EXISTS nonces_expiry ON nonces(expires_ms);
+-- Shared limits (see the section of that name below): token buckets every edge process takes from, and
+-- the edge processes alive now.
+CREATE TABLE IF NOT EXISTS limit_buckets (
+    kind TEXT NOT NULL,
+    key TEXT NOT NULL,
+    tat_ms REAL NOT NULL,
+    PRIMARY KEY (kind, key)
+);
+CREATE INDEX IF NOT EXISTS limit_buckets_full ON limit_buckets(tat_ms);
+CREATE TABLE IF NOT EXISTS edges (
+    edge_id TEXT PRIMARY KEY,
+    seen_ms INTEGER NOT NULL
+);
 -- The number of queued groups (accepted, neither consumed nor dropped), kept by triggers in the same
 -- transaction as the change, so every lease request reads the queue depth in O(1) instead of
 -- counting a table that grows with the run.
@@ -1210,3 +1223,80 @@ def forget_verify_jobs(conn: sqlite3.Connection, finished_before_ms: int) -> int
     retry can use them (an accepted group answers its retries from the groups table)."""
     return conn.execute("DELETE FROM verify_jobs WHERE state = ? AND finished_ms < ?",
                         (JobState.DONE, finished_before_ms)).rowcount
+
+
+# --- shared limits: token buckets and live edges, for several edge processes on one store ------------------
+#
+# Rate limits that must hold across every edge process (new identities per address, verifier seconds per
+# scope) are token buckets in ``limit_buckets``, one row per (kind, key), kept as a "theoretical arrival
+# time" (GCRA): the bucket is full when ``tat_ms`` <= now, each token moves ``tat_ms`` on by one interval,
+# and a take is allowed while ``tat_ms`` stays within ``burst`` intervals of now. One conditional upsert
+# takes a token atomically on both backends (PostgreSQL locks the row for the statement), and a full
+# bucket needs no row: rows are forgotten once full (``forget_full_buckets``), so the table holds only the
+# keys that spent something recently. ``edges`` holds one heartbeat row per live edge process.
+
+StoreUnavailable = store_pg.StoreUnavailable
+
+
+@dataclass(frozen=True)
+class BucketRate:
+    """A token bucket's refill (tokens per second, > 0) and size (tokens)."""
+
+    per_s: float
+    burst: float
+
+    @property
+    def interval_ms(self) -> float:
+        return 1000.0 / self.per_s
+
+    @property
+    def tolerance_ms(self) -> float:
+        return self.burst * self.interval_ms
+
+
+def take_from_bucket(conn: sqlite3.Connection, kind: str, key: str, rate: BucketRate, cost: float, now_ms: float,
+                     *, overdraw: bool = False) -> bool:
+    """Take ``cost`` tokens from the (kind, key) bucket if it holds them; True when taken. With ``overdraw``
+    they are always taken and the bucket may go into debt (paid back by refill before the next take)."""
+    if cost > rate.burst and not overdraw:
+        return False
+    step_ms = cost * rate.interval_ms
+    condition = "" if overdraw else "WHERE (CASE WHEN limit_buckets.tat_ms > ? THEN limit_buckets.tat_ms ELSE ? END) <= ?"
+    params = () if overdraw else (now_ms, now_ms, now_ms + rate.tolerance_ms - step_ms)
+    return conn.execute(
+        "INSERT INTO limit_buckets(kind, key, tat_ms) VALUES(?, ?, ?) ON CONFLICT(kind, key) DO UPDATE SET "
+        "tat_ms = (CASE WHEN limit_buckets.tat_ms > ? THEN limit_buckets.tat_ms ELSE ? END) + ? "
+        f"{condition} RETURNING 1",
+        (kind, key, now_ms + step_ms, now_ms, now_ms, step_ms, *params)).fetchone() is not None
+
+
+def return_to_bucket(conn: sqlite3.Connection, kind: str, key: str, rate: BucketRate, cost: float) -> None:
+    """Give back ``cost`` tokens taken in this transaction (the other half of an all-or-nothing take)."""
+    conn.execute("UPDATE limit_buckets SET tat_ms = tat_ms - ? WHERE kind = ? AND key = ?",
+                 (cost * rate.interval_ms, kind, key))
+
+
+def bucket_level(conn: sqlite3.Connection, kind: str, key: str, rate: BucketRate, now_ms: float) -> float:
+    """Tokens in the (kind, key) bucket at ``now_ms``: ``rate.burst`` when full, negative when in debt."""
+    row = conn.execute("SELECT tat_ms FROM limit_buckets WHERE kind = ? AND key = ?", (kind, key)).fetchone()
+    tat_ms = now_ms if row is None else max(float(row[0]), now_ms)
+    return (now_ms + rate.tolerance_ms - tat_ms) / rate.interval_ms
+
+
+def forget_full_buckets(conn: sqlite3.Connection, now_ms: float) -> int:
+    """Buckets that have refilled completely are dropped: a missing row is a full bucket."""
+    return conn.execute("DELETE FROM limit_buckets WHERE tat_ms <= ?", (now_ms,)).rowcount
+
+
+def beat_edge(conn: sqlite3.Connection, edge_id: str, now_ms: int, ttl_ms: int) -> int:
+    """Record that edge process ``edge_id`` is alive; returns how many edges beat within ``ttl_ms`` (itself
+    included). Rows of edges silent for ten TTLs are dropped (a killed edge leaves its row behind)."""
+    conn.execute("INSERT INTO edges(edge_id, seen_ms) VALUES(?, ?) ON CONFLICT(edge_id) DO UPDATE SET seen_ms = ?",
+                 (edge_id, now_ms, now_ms))
+    conn.execute("DELETE FROM edges WHERE seen_ms < ?", (now_ms - 10 * ttl_ms,))
+    return int(conn.execute("SELECT COUNT(*) FROM edges WHERE seen_ms >= ?", (now_ms - ttl_ms,)).fetchone()[0])
+
+
+def forget_edge(conn: sqlite3.Connection, edge_id: str) -> None:
+    """An edge stopping on purpose leaves the count at once, rather than after its TTL."""
+    conn.execute("DELETE FROM edges WHERE edge_id = ?", (edge_id,))

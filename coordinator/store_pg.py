@@ -15,7 +15,9 @@ answers its callers only after COMMIT returned (``synchronous_commit`` on, Postg
 from __future__ import annotations
 
 import functools
+import hashlib
 import re
+import time
 
 try:
     import psycopg
@@ -130,6 +132,17 @@ CREATE TABLE IF NOT EXISTS nonces (
     PRIMARY KEY (public_key, nonce)
 );
 CREATE INDEX IF NOT EXISTS nonces_expiry ON nonces(expires_ms);
+CREATE TABLE IF NOT EXISTS limit_buckets (
+    kind TEXT NOT NULL,
+    key TEXT NOT NULL,
+    tat_ms DOUBLE PRECISION NOT NULL,
+    PRIMARY KEY (kind, key)
+);
+CREATE INDEX IF NOT EXISTS limit_buckets_full ON limit_buckets(tat_ms);
+CREATE TABLE IF NOT EXISTS edges (
+    edge_id TEXT PRIMARY KEY,
+    seen_ms BIGINT NOT NULL
+);
 CREATE TABLE IF NOT EXISTS counters (
     name TEXT PRIMARY KEY,
     value BIGINT NOT NULL
@@ -258,37 +271,117 @@ def translate(sql: str) -> str:
     return sql.replace("?", "%s").replace("/*SKIP LOCKED*/", "FOR UPDATE SKIP LOCKED")
 
 
+class StoreUnavailable(Exception):
+    """The PostgreSQL server cannot be reached now (restarting, stopped, network): the statement was not run,
+    or its transaction was rolled back, or (the connection lost during COMMIT) it is unknown whether it
+    committed; the store's operations are safe to retry (a group submitted again is answered as the first
+    time). Callers answer "unavailable, retry"; the connection reopens by itself."""
+
+
+RECONNECT_EVERY_S = 0.5
+"""While the server is down, a new connection is tried at most this often: every statement in between
+fails at once rather than waiting on a connect."""
+
+
 class PgConnection:
     """The part of ``sqlite3.Connection`` the store uses, on one psycopg connection in autocommit mode
-    (transactions are the store's own BEGIN / SAVEPOINT / COMMIT statements)."""
+    (transactions are the store's own BEGIN / SAVEPOINT / COMMIT statements).
+
+    When the server goes away (a restart closes every session) the statement raises
+    :class:`StoreUnavailable`; the connection is opened again on a later statement, but only one that
+    starts afresh (BEGIN, or any statement outside a transaction): a statement of a transaction that died
+    with the old connection must never run on the new one, outside that transaction.
+    """
 
     def __init__(self, url: str):
         if psycopg is None:
             raise RuntimeError("a postgresql:// database needs psycopg: pip install 'veriroll[postgres]'")
-        self._conn = psycopg.connect(url, autocommit=True, row_factory=_row_factory)
+        self._url = url
+        self._in_transaction = False
+        self._next_attempt = 0.0
+        self._conn = self._open()
+
+    def _open(self):
+        try:
+            return psycopg.connect(self._url, autocommit=True, row_factory=_row_factory)
+        except psycopg.OperationalError as exc:
+            self._next_attempt = time.monotonic() + RECONNECT_EVERY_S
+            raise StoreUnavailable(f"PostgreSQL is unreachable: {first_line(exc)}") from exc
+
+    def _usable(self, sql: str):
+        """The connection to run ``sql`` on, reopened if it broke and ``sql`` may start afresh."""
+        bound = transaction_bound(sql)
+        was_in = self._in_transaction and bound != "begin"
+        if bound is not None:
+            self._in_transaction = bound == "begin"
+        if not (self._conn.broken or self._conn.closed):
+            return self._conn
+        if was_in:
+            raise StoreUnavailable("the connection to PostgreSQL was lost during this transaction; it was rolled back")
+        now = time.monotonic()
+        if now < self._next_attempt:
+            raise StoreUnavailable("PostgreSQL is unreachable; reconnecting")
+        self._conn = self._open()
+        return self._conn
+
+    def _run(self, sql: str, run):
+        conn = self._usable(sql)
+        try:
+            return run(conn.cursor())
+        except psycopg.Error as exc:
+            if conn.broken or conn.closed:  # the transaction, if any, stays marked until its COMMIT/ROLLBACK
+                raise StoreUnavailable(f"the connection to PostgreSQL was lost: {first_line(exc)}") from exc
+            raise
 
     def execute(self, sql: str, params=()):
-        cur = self._conn.cursor()
-        cur.execute(translate(sql), tuple(params) if params else None)
-        return cur
+        def run(cur):
+            cur.execute(translate(sql), tuple(params) if params else None)
+            return cur
+        return self._run(sql, run)
 
     def executemany(self, sql: str, seq):
-        cur = self._conn.cursor()
-        cur.executemany(translate(sql), list(seq))
-        return cur
+        def run(cur):
+            cur.executemany(translate(sql), list(seq))
+            return cur
+        return self._run(sql, run)
 
     def close(self) -> None:
         self._conn.close()
 
 
+@functools.lru_cache(maxsize=4096)
+def transaction_bound(sql: str) -> str | None:
+    """"begin" for a statement that opens a transaction, "end" for one that closes it (COMMIT, ROLLBACK;
+    not ROLLBACK TO a savepoint), else None."""
+    verb = sql.strip().upper()
+    if verb in ("BEGIN", "BEGIN IMMEDIATE"):
+        return "begin"
+    return "end" if verb in ("COMMIT", "ROLLBACK") else None
+
+
+def first_line(exc: BaseException) -> str:
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+
+
+SCHEMA_MARK = "veriroll schema " + hashlib.sha256((SCHEMA + VERIFY_JOBS_SCHEMA).encode()).hexdigest()[:16]
+"""Written as the comment of table ``nodes`` once :data:`SCHEMA` ran: a connection that finds it skips the
+DDL. Running it again is harmless to the data but not to the processes working on it: ``CREATE INDEX IF
+NOT EXISTS`` takes a SHARE lock on its table before it finds the index there, and ``ALTER TABLE ... IF NOT
+EXISTS`` an exclusive one, so a connection opened mid-run (a reader, another edge) deadlocked with the
+writer of another process that held row locks on two of those tables (seen in the edge-kill fault test)."""
+
+
 def connect(url: str) -> PgConnection:
     """Open ``url`` and make sure the schema (tables, indexes, triggers, counters) is there."""
     conn = PgConnection(url)
+    if conn.execute("SELECT obj_description(to_regclass('nodes'), 'pg_class')").fetchone()[0] == SCHEMA_MARK:
+        return conn
     conn.execute("BEGIN")
     try:
         conn.execute("SELECT pg_advisory_xact_lock(?)", (SCHEMA_LOCK,))
         conn._conn.execute(SCHEMA)
         conn._conn.execute(VERIFY_JOBS_SCHEMA)
+        conn._conn.execute(f"COMMENT ON TABLE nodes IS '{SCHEMA_MARK}'")
         conn.execute("COMMIT")
     except BaseException:
         conn.execute("ROLLBACK")
@@ -299,4 +392,4 @@ def connect(url: str) -> PgConnection:
 
 def errors() -> tuple[type[BaseException], ...]:
     """The exception types a PostgreSQL failure raises (for callers that catch database errors)."""
-    return () if psycopg is None else (psycopg.Error,)
+    return (StoreUnavailable,) if psycopg is None else (psycopg.Error, StoreUnavailable)

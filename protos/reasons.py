@@ -58,6 +58,7 @@ class Reason(str, enum.Enum):
     LOGPROB_MISMATCH = "logprob_mismatch"
     # coordinator side
     UNAVAILABLE = "unavailable"
+    STORE_UNAVAILABLE = "store_unavailable"
     INTERNAL = "internal"
 
     @property
@@ -109,6 +110,8 @@ _CODES = {
     Reason.SAMPLING_FAILED: _C.PERMISSION_DENIED,
     Reason.LOGPROB_MISMATCH: _C.PERMISSION_DENIED,
     Reason.UNAVAILABLE: _C.UNAVAILABLE,
+    # A node retries UNAVAILABLE with its backoff (0.5 s doubling to 30 s): a database restart is ridden out.
+    Reason.STORE_UNAVAILABLE: _C.UNAVAILABLE,
     Reason.INTERNAL: _C.INTERNAL,
 }
 
@@ -166,6 +169,8 @@ _MESSAGES = {
     Reason.SAMPLING_FAILED: "the tokens are not the seeded draw from the trusted logits",
     Reason.LOGPROB_MISMATCH: "the claimed log-probs differ from the trusted ones",
     Reason.UNAVAILABLE: "the coordinator is busy; retry later",
+    Reason.STORE_UNAVAILABLE: ("the coordinator cannot reach its database right now (restarting?); retry in a few "
+                               "seconds (a group submitted again is answered as the first time)"),
     Reason.INTERNAL: "the coordinator failed to process the request; it was not accepted",
 }
 

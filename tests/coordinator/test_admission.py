@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import time
 
 import grpc
 import pytest
@@ -12,6 +13,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from veriroll.coordinator.admission import (
     UNPARSED,
     NewIdentityLimiter,
+    RateLimiter,
     check_register_pow,
     peer_address,
     prefix_of,
@@ -274,3 +276,57 @@ def test_no_work_is_asked_when_the_operator_switches_it_off():
     key = fixed_key(2)
     req = pb.RegisterRequest(public_key=key.public.raw)
     assert check_register_pow(0, COORDINATOR, req, signed(key, req, 1_000)) is None
+
+
+# --- the same budgets shared by several edge processes (kept in the store) --------------------------------
+
+
+def test_edges_sharing_a_store_share_one_new_key_budget(store_target):
+    """Two edge processes (two limiters, one store): an address's burst is spent once across both, a refusal
+    takes nothing from either level, and the hourly rate refills it (the buckets' clock is the store's ms)."""
+    from veriroll.coordinator import store as st
+    from veriroll.coordinator.admission import SharedNewIdentityLimiter
+
+    db = st.Database(store_target)
+    now_ms = [1_000_000.0]
+    args = dict(per_hour_per_address=2, burst_per_address=3, per_hour_per_prefix=6, burst_per_prefix=4)
+    edges = [SharedNewIdentityLimiter(NewIdentityLimiter(**args), db, clock_ms=lambda: now_ms[0]) for _ in range(2)]
+
+    async def register(edge: int, address: str):
+        return await edges[edge].take(address)
+
+    async def scenario():
+        first = [await register(i % 2, "203.0.113.7") for i in range(4)]
+        neighbour = await register(1, "203.0.113.8")  # the /24 has 4 at once: one left after three
+        prefix_full = await register(0, "203.0.113.9")
+        now_ms[0] += HOUR * 1000 / 2  # half an hour: one new key for the address (and three for the /24)
+        later = [await register(1, "203.0.113.7"), await register(0, "203.0.113.7")]
+        return first, neighbour, prefix_full, later
+
+    try:
+        first, neighbour, prefix_full, later = asyncio.run(scenario())
+        given_back = db.run_sync(lambda c: st.bucket_level(c, "new_keys_address", "203.0.113.9",
+                                                           st.BucketRate(2 / 3600, 3), now_ms[0]))
+        forgotten = db.run_sync(lambda c: st.forget_full_buckets(c, now_ms[0] + HOUR * 1000 * 10))
+    finally:
+        db.close()
+    assert first[:3] == [None, None, None]
+    assert first[3][0] is Reason.NEW_IDENTITY_LIMITED and "address 203.0.113.7" in first[3][1]
+    assert first[3][1].endswith("retry in 1800 s")
+    assert neighbour is None
+    assert prefix_full[0] is Reason.NEW_IDENTITY_LIMITED and "network 203.0.113.0/24" in prefix_full[1]
+    assert later[0] is None and later[1] is not None and "address" in later[1][1]
+    assert given_back == 3.0  # .9 was refused on its prefix: its address's token was given back
+    assert forgotten == 4  # refilled buckets leave the table: it holds only recent spenders
+
+
+def test_a_rate_limiter_split_among_edges_enforces_its_share():
+    limiter = RateLimiter(10.0, 8.0)
+    limiter.split(4)
+    assert (limiter.rate, limiter.burst) == (2.5, 2.0)
+    t0 = time.monotonic() + 10  # buckets are stamped with the monotonic clock when made
+    assert [limiter.allow("k", now=t0) for _ in range(3)] == [True, True, False]
+    limiter.split(1)  # the other edges went away: the whole limit again, for new and known keys
+    assert limiter.allow("k", now=t0 + 0.2) and (limiter.rate, limiter.burst) == (10.0, 8.0)
+    limiter.split(100)
+    assert limiter.burst == 1.0  # never below one request, or nothing would pass

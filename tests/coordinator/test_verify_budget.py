@@ -130,3 +130,53 @@ def test_built_from_the_intake_config():
     assert b.reserve("k", "10.0.0.1").reason is Reason.RATE_LIMITED
     assert b.reserve("k2", "10.0.0.1") is None  # the address still has most of its 60 s
     assert set(b.tracked()) == {"node key", "address"}
+
+
+def test_edges_sharing_a_store_share_one_verifier_budget(store_target):
+    """Two edge processes (two budgets, one store): seconds one spends are gone for the other; a scope in
+    debt is refused with its wait, and refill pays the debt back at the per-minute rate."""
+    import asyncio
+
+    from veriroll.coordinator import store as st
+    from veriroll.coordinator.verify_budget import SharedVerifierBudget
+
+    db = st.Database(store_target)
+    now_ms = [5_000_000.0]
+    edges = [SharedVerifierBudget(10.0, 0.0, 30.0, db, clock_ms=lambda: now_ms[0]) for _ in range(2)]
+
+    async def scenario():
+        seen = [await edges[0].check("k", "10.0.0.1")]
+        await edges[0].spend("k", "10.0.0.1", 6.0)
+        seen.append(await edges[1].check("k", "10.0.0.1"))  # 4 s left, whichever edge asks
+        await edges[1].spend("k", "10.0.0.1", 6.0)  # overdrawn: 2 s of debt
+        seen.append(await edges[0].check("k", "10.0.0.1"))
+        seen.append(await edges[1].check("other", "10.0.0.2"))  # another key of the same /24: 18 s left there
+        now_ms[0] += 13_000  # 10 s per minute: 2 s of debt paid back after 12 s
+        seen.append(await edges[1].check("k", "10.0.0.1"))
+        return seen
+
+    try:
+        fresh, after_one, in_debt, neighbour, repaid = asyncio.run(scenario())
+    finally:
+        db.close()
+    assert fresh is None and after_one is None and neighbour is None and repaid is None
+    assert in_debt is not None and in_debt.reason is Reason.RATE_LIMITED
+    assert "node key (k)" in in_debt.detail and "retry in 12 s" in in_debt.detail
+
+
+def test_the_configured_budget_is_shared_when_given_a_store_and_local_otherwise(tmp_path):
+    import asyncio
+
+    from veriroll.coordinator import store as st
+    from veriroll.coordinator.verify_budget import SharedVerifierBudget
+
+    intake = CoordinatorConfig().intake
+    local = VerifierBudget.from_config(intake)
+    assert asyncio.run(local.check("k", "10.0.0.1")) is None
+    asyncio.run(local.spend("k", "10.0.0.1", intake.verify_seconds_per_minute_per_identity + 1))
+    assert asyncio.run(local.check("k", "10.0.0.1")).reason is Reason.RATE_LIMITED  # the same calls, in memory
+    db = st.Database(tmp_path / "state.db")
+    try:
+        assert isinstance(VerifierBudget.from_config(intake, shared_db=db), SharedVerifierBudget)
+    finally:
+        db.close()
