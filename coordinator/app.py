@@ -322,6 +322,8 @@ async def _follow_policy(coord: Coordinator, every_s: float = 1.0) -> None:
             if version > policy.version:
                 policy.advance(version)
                 coord.service.metrics.policy_version.set(version)
+        except st.StoreUnavailable as exc:  # PostgreSQL restarting: one line a second, not a traceback
+            log.warning("reading the policy version: the store is unavailable (%s)", exc)
         except Exception:  # keep following; one failed read must not freeze the edge's policy
             log.exception("reading the policy version from the store failed")
         await asyncio.sleep(every_s)
@@ -338,6 +340,8 @@ async def _housekeeping(coord: Coordinator) -> None:
             if expired:
                 coord.service.metrics.leases_expired.inc(expired)
             await coord.service.refresh_gauges()
+        except st.StoreUnavailable as exc:  # PostgreSQL restarting: the store reconnects by itself
+            log.warning("housekeeping: the store is unavailable (%s)", exc)
         except Exception:  # keep housekeeping alive; log and go on
             log.exception("housekeeping failed")
         await asyncio.sleep(1.0)

@@ -277,7 +277,7 @@ class Intake:
         if rejection is None and self.verifier is not None and self._should_audit(node):
             # The only stage that runs the model: only for a group that passed every cheap check, and only
             # while its key, address and network have verifier time left this minute.
-            rejection = self.verify_budget.reserve(node.node_id, peer) if self.verify_budget is not None else None
+            rejection = await self.verify_budget.check(node.node_id, peer) if self.verify_budget is not None else None
             if rejection is None:
                 rejection, trusted = await self._verify(lease, prompt, sub, node, peer, digest, req)
                 verified = rejection is None
@@ -315,7 +315,7 @@ class Intake:
         if seconds > 0:  # (0: the pool gave no verdict in time; nothing ran for this submission yet)
             self.metrics.verify_latency.observe(seconds)
         if self.verify_budget is not None:
-            self.verify_budget.charge(node.node_id, peer, seconds)
+            await self.verify_budget.spend(node.node_id, peer, seconds)
         return rejection, trusted
 
     async def _reject(self, node: NodeInfo, lease: LeaseRecord | None, rejection: Rejection) -> None:

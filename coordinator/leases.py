@@ -110,7 +110,7 @@ class LeaseDesk:
         wanted = max(1, min(int(req.max_leases or 1), max_open))
         if probation and self.verify_budget is not None:
             # Every group of a probation node is verified: no work while its verifier time is used up.
-            spent = self.verify_budget.reserve(node.node_id, peer)
+            spent = await self.verify_budget.check(node.node_id, peer)
             if spent is not None:
                 return pb.LeaseResponse(retry_after_ms=5000, wait_reason="verify_budget")
         budget = self._budget(node.node_id) if probation else None

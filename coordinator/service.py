@@ -106,7 +106,8 @@ class CoordinatorService:
         self._log_identity_policy()
         # Verifier time per node key, address and network: shared by the lease desk (no work for a node
         # whose groups could not be verified now) and the intake (which pays what verification cost).
-        self.verify_budget = VerifierBudget.from_config(cfg.intake) if verifier is not None else None
+        self.verify_budget = VerifierBudget.from_config(
+            cfg.intake, shared_db=db if self.door.shared_nonces else None) if verifier is not None else None
         self.leases = LeaseDesk(cfg, db, environment=environment, renderer=self.renderer, policy=policy,
                                 metrics=self.metrics, clock=now, stop_token_ids=self.stop_token_ids,
                                 verify_budget=self.verify_budget)
