@@ -84,12 +84,14 @@ class WanPlan:
 
 
 def wan_spec(plan: WanPlan, grpc_port: int, origin_port: int, relay_ports: dict[str, int], upstreams: dict[str, str],
-             nodes: list[str], leaves: list[str]) -> dict:
+             nodes: list[str], leaves: list[str], swarm_ports: dict[str, int] | None = None) -> dict:
     """The proxy's links and routes (``veriroll.deploy.wan``): a link per host, a route per (client, server).
 
     The coordinator's host carries its gRPC port and the origin relay. ``upstreams`` names each relay's
     upstream ('origin' or a relay); ``leaves`` the relays nodes fetch from, in order. Routes listen on
-    free ports chosen here.
+    free ports chosen here. ``swarm_ports``: each serving node's libp2p port, reached by other nodes through
+    a route over the serving node's link (route ``NODE->swarm``; the dialling node's own line is not applied
+    to peer traffic: one route per serving node, whoever dials).
     """
     server_port = {"origin": origin_port, **relay_ports}
     host_of = {"origin": "coordinator", **{r: r for r in relay_ports}}
@@ -102,6 +104,9 @@ def wan_spec(plan: WanPlan, grpc_port: int, origin_port: int, relay_ports: dict[
                        "client": n, "server": "coordinator"})
         routes += [{"name": f"{n}->{r}", "listen": f"127.0.0.1:{free_port()}", "target": f"127.0.0.1:{relay_ports[r]}",
                     "client": n, "server": r} for r in leaves]
+    for n, port in (swarm_ports or {}).items():
+        routes.append({"name": f"{n}->swarm", "listen": f"127.0.0.1:{free_port()}", "target": f"127.0.0.1:{port}",
+                       "server": n})
     return {"links": links, "routes": routes}
 
 
@@ -114,6 +119,7 @@ class Testnet:
     cfg: TestnetConfig
     run_dir: Path
     wan: WanPlan | None = None
+    swarm: bool = False  # honest nodes not behind NAT serve each other shards over libp2p (node swarm_listen)
     procs: list[Proc] = field(default_factory=list)
     veriroll: str = str(Path(sys.executable).parent / "veriroll")
 
@@ -181,9 +187,15 @@ class Testnet:
         upstream_of = {r.name: urls[r.upstream] for r in self.cfg.relays}
         grpc_of = {n: f"127.0.0.1:{ports['grpc']}" for n in names}
         relays_of = {n: leaves for n in names}
+        nat = set(names[: min(self.wan.nat_nodes, self.cfg.honest_nodes)] if self.wan else [])
+        # Behind NAT nothing can dial in, and the node does not reserve a circuit relay yet: NAT nodes run no
+        # swarm (relays only).
+        swarm_ports = {n: free_port() for n, kind in zip(names, kinds, strict=True) if not kind} if self.swarm else {}
+        swarm_at = {n: f"/ip4/127.0.0.1/tcp/{p}" for n, p in swarm_ports.items()}
         if self.wan is not None:
             spec = wan_spec(self.wan, ports["grpc"], origin_port, relay_ports,
-                            {r.name: r.upstream for r in self.cfg.relays}, names, leaf_names)
+                            {r.name: r.upstream for r in self.cfg.relays}, names, leaf_names,
+                            {n: p for n, p in swarm_ports.items() if n not in nat})
             spec["nat"] = names[: min(self.wan.nat_nodes, self.cfg.honest_nodes)]
             (self.run_dir / "wan.json").write_text(json.dumps(spec, indent=1))
             self.spawn("wan", ["--spec", str(self.run_dir / "wan.json")], "wan",
@@ -193,6 +205,10 @@ class Testnet:
                            ((r.name, r.upstream) for r in self.cfg.relays)}
             grpc_of = {n: route_address(spec, f"{n}->grpc") for n in names}
             relays_of = {n: [f"http://{route_address(spec, f'{n}->{r}')}" for r in leaf_names] for n in names}
+            announce = {n: "/ip4/{}/tcp/{}".format(*route_address(spec, f"{n}->swarm").split(":"))
+                        for n in swarm_ports if n not in nat}
+        else:
+            announce = {}
         for r in self.cfg.relay_order():
             self.spawn(r.name, ["relay", "run", "--store", str(self.run_dir / r.name), "--port", str(relay_ports[r.name]),
                                 "--coordinator-key", pub, "--upstream", upstream_of[r.name], "--poll-interval", "1",
@@ -200,7 +216,6 @@ class Testnet:
                                 "--max-transfers-per-address", "0", "--max-connections-per-address", "0"], "relay")
         from veriroll.protos.identity import write_keypair
 
-        nat = set(names[: min(self.wan.nat_nodes, self.cfg.honest_nodes)] if self.wan else [])
         for name, kind in zip(names, kinds, strict=True):
             key = self.run_dir / name / "node.key"
             node_id = write_keypair(key, force=True).node_id
@@ -212,6 +227,10 @@ class Testnet:
                 args += ["--relay", url]
             if kind:
                 args += ["--adversary", kind]
+            if name in swarm_at and name not in nat:
+                args += ["--set", f"swarm_listen={swarm_at[name]}"]
+                if name in announce:  # over the WAN, other nodes dial it through its link
+                    args += ["--set", f"swarm_announce=[\"{announce[name]}\"]"]
             self.spawn(name, args, "adversary" if kind else "node", threads=self.cfg.node_threads, node_id=node_id,
                        adversary=kind, behind_nat=name in nat)
         return {"ports": ports, "init": info, "relays": urls}
@@ -288,6 +307,7 @@ class Testnet:
             "broadcast": watch.report() if watch else {},
             "origin_bytes_by_version": {str(v): n for v, n in sorted(watch.origin_bytes.items())} if watch else {},
             "wan": self.wan.profile if self.wan else None,
+            "swarm": self.swarm,
             "wan_per_node": {str(k): v for k, v in self.wan.per_node.items()} if self.wan else {},
             "nat_nodes": [p.name for p in self.procs if p.behind_nat],
             "run_dir": str(self.run_dir),
@@ -424,8 +444,9 @@ def plot_rewards(history: list[dict], out: Path) -> Path | None:
     return out
 
 
-def run(cfg: TestnetConfig, run_dir: Path, *, live: bool, as_json: bool, wan: WanPlan | None = None) -> int:
-    net = Testnet(cfg, run_dir, wan=wan)
+def run(cfg: TestnetConfig, run_dir: Path, *, live: bool, as_json: bool, wan: WanPlan | None = None,
+        swarm: bool = False) -> int:
+    net = Testnet(cfg, run_dir, wan=wan, swarm=swarm)
     t0 = time.time()
     status = 1
     snap: dict = {}
@@ -519,7 +540,8 @@ def cmd_testnet(args) -> int:
     cfg.coordinator = {**cfg.coordinator, **preset_coordinator}
     run_dir = Path(args.dir) if args.dir else Path("runs") / time.strftime("testnet-%Y%m%d-%H%M%S")
     live = sys.stderr.isatty() and not args.json and not args.no_live
-    return run(cfg, run_dir.resolve(), live=live, as_json=args.json, wan=wan_plan(args, cfg.honest_nodes))
+    return run(cfg, run_dir.resolve(), live=live, as_json=args.json, wan=wan_plan(args, cfg.honest_nodes),
+               swarm=args.swarm)
 
 
 def wan_plan(args, honest_nodes: int) -> WanPlan | None:
@@ -558,6 +580,8 @@ def register(subparsers) -> None:
     q.add_argument("--wan-node", action="append", help="node NUMBER's own link: NUMBER=PROFILE (repeatable)")
     q.add_argument("--nat-nodes", type=int, help="with --wan: honest nodes behind NAT, never given out as relays or "
                                                  "peers (default: half of them)")
+    q.add_argument("--swarm", action="store_true", help="honest nodes also serve each other shards over libp2p "
+                                                         "(needs veriroll[swarm]; nodes behind NAT do not)")
     q.set_defaults(func=cmd_testnet)
 
 

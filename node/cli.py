@@ -116,7 +116,7 @@ def build_agent(cfg: NodeConfig, channel, hw=None):
 
             swarm = Swarm(listen=cfg.swarm_listen)
         versions = RelayVersions(Path(cfg.cache_dir).expanduser() / key.node_id, ckey, keep=cfg.keep_versions,
-                                 relays=cfg.relays, swarm=swarm)
+                                 relays=cfg.relays, swarm=swarm, announce=cfg.swarm_announce)
     adversary = None
     if cfg.adversary:
         from veriroll.node.adversary import make_adversary

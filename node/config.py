@@ -51,6 +51,9 @@ class NodeConfig(BaseModel):
     checkpoint_dir: str = Field("", description="read policy versions from this local directory (vNNNNNN/ subfolders) instead of relays")
     relays: list[str] = Field(default_factory=list, description="relay URLs to fetch from (default: the coordinator's list)")
     keep_versions: int = Field(3, ge=1, description="checkpoint versions kept on disk")
+    swarm_announce: list[str] = Field(default_factory=list, description="with swarm_listen: the multiaddrs other "
+                                      "nodes are to dial this one at, when not its listen address (a port forward, "
+                                      "a proxy); default: where it listens")
     swarm_listen: str = Field("", description="serve and fetch checkpoint shards peer to peer over libp2p, listening on this multiaddr (e.g. /ip4/0.0.0.0/tcp/8490; empty: off). Needs the swarm extra: pip install 'veriroll[swarm]'")
     display_name: str = Field("", description="name shown on the coordinator's dashboard")
     adversary: str = Field("", description="TESTING ONLY: behave dishonestly in the named way (see `veriroll node run --help`)")

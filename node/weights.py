@@ -71,7 +71,8 @@ class RelayVersions:
     """
 
     def __init__(self, cache_dir: str | Path, coordinator_key, *, keep: int = 3, relays: list[str] | None = None,
-                 clock: Callable[[], float] = time.monotonic, swarm: Swarm | None = None):
+                 clock: Callable[[], float] = time.monotonic, swarm: Swarm | None = None,
+                 announce: list[str] | None = None):
         self.root = Path(cache_dir).expanduser()
         self.root.mkdir(parents=True, exist_ok=True)
         self.coordinator_key = coordinator_key
@@ -81,6 +82,7 @@ class RelayVersions:
         self.last_error: str = ""
         self.bad_relays: set[str] = set()
         self.swarm = swarm
+        self.announce = list(announce or [])  # the swarm's addresses as others dial them (default: where it listens)
         self.bad_peers: set[str] = set()  # peer ids that served bad bytes, for the node to report
         self._served: dict[int, object] = {}  # version -> its Manifest, while the swarm serves it
         self.newest_wanted = -1
@@ -189,7 +191,7 @@ class RelayVersions:
         """This node's swarm as HeartbeatRequest fields, for the coordinator to announce to the other nodes."""
         if self.swarm is None:
             return {}
-        return {"swarm_peer_id": self.swarm.peer_id, "swarm_addrs": list(self.swarm.addrs),
+        return {"swarm_peer_id": self.swarm.peer_id, "swarm_addrs": self.announce or list(self.swarm.addrs),
                 "swarm_versions": sorted(self._served)[-64:], "bad_peers": sorted(self.bad_peers)[:16]}
 
     def take_peer_hints(self, document: bytes) -> None:
