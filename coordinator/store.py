@@ -341,6 +341,10 @@ def _answer(results: list[tuple[_Op, bool, Any]]) -> None:
             pass
 
 
+TRANSIENT_RETRIES = 3
+"""How often the writer runs a batch again after PostgreSQL broke a deadlock by rolling it back."""
+
+
 class Database:
     """Serializes every operation on one connection in one thread, committing queued work together.
 
@@ -386,30 +390,44 @@ class Database:
         batch = [op for op in batch if op.start()]
         if not batch:
             return
-        results: list[tuple[_Op, bool, Any]] = []
-        try:
-            self.conn.execute("BEGIN IMMEDIATE")
-            for op in batch:
-                self.conn.execute("SAVEPOINT op")
-                try:
-                    value = op.fn(self.conn)
-                except BaseException as exc:  # noqa: BLE001 - handed to the caller, not swallowed
-                    self.conn.execute("ROLLBACK TO op")
-                    self.conn.execute("RELEASE op")
-                    results.append((op, False, exc))
-                else:
-                    self.conn.execute("RELEASE op")
-                    results.append((op, True, value))
-            self.conn.execute("COMMIT")
-        except BaseException as exc:  # noqa: BLE001 - the whole batch failed to commit: tell everyone
+        for attempt in range(TRANSIENT_RETRIES + 1):
             try:
-                self.conn.execute("ROLLBACK")
-            except DB_ERRORS:
-                pass
-            _answer([(op, False, exc) for op in batch])
+                results = self._transaction(batch)
+            except BaseException as exc:  # noqa: BLE001 - the whole batch failed to commit: tell everyone
+                try:
+                    self.conn.execute("ROLLBACK")
+                except DB_ERRORS:
+                    pass
+                if store_pg.is_transient(exc) and attempt < TRANSIENT_RETRIES:
+                    # A deadlock with another process's writer (PostgreSQL): rolled back whole, nothing of it
+                    # committed; this batch's locks are gone, the other transaction goes on, and ours runs again.
+                    continue
+                _answer([(op, False, exc) for op in batch])
+                return
+            # Answer only after COMMIT returned: nothing is reported done before it is durable.
+            _answer(results)
             return
-        # Answer only after COMMIT returned: nothing is reported done before it is durable.
-        _answer(results)
+
+    def _transaction(self, batch: list[_Op]) -> list[tuple[_Op, bool, Any]]:
+        """Every op of ``batch`` in one transaction, each in a savepoint of its own (an op that fails is
+        undone alone and answered with its error), committed once."""
+        results: list[tuple[_Op, bool, Any]] = []
+        self.conn.execute("BEGIN IMMEDIATE")
+        for op in batch:
+            self.conn.execute("SAVEPOINT op")
+            try:
+                value = op.fn(self.conn)
+            except BaseException as exc:  # re-raised, or handed to the caller: never swallowed
+                if store_pg.is_transient(exc):
+                    raise  # not this op's fault: the whole batch runs again (see _run_batch)
+                self.conn.execute("ROLLBACK TO op")
+                self.conn.execute("RELEASE op")
+                results.append((op, False, exc))
+            else:
+                self.conn.execute("RELEASE op")
+                results.append((op, True, value))
+        self.conn.execute("COMMIT")
+        return results
 
     def read(self, fn: Callable[[sqlite3.Connection], T]) -> concurrent.futures.Future:
         """Run a read-only ``fn`` on the reader connection: no write lock, no fsync, sees committed data."""

@@ -390,6 +390,17 @@ def connect(url: str) -> PgConnection:
     return conn
 
 
+TRANSIENT_SQLSTATES = frozenset({"40P01", "40001"})
+"""deadlock_detected and serialization_failure: PostgreSQL rolled the statement back to break a cycle of
+waits between transactions (two edges updating the same counter rows in different orders); the same
+transaction run again goes through."""
+
+
+def is_transient(exc: BaseException) -> bool:
+    """True for an error that running the whole transaction again resolves (see ``TRANSIENT_SQLSTATES``)."""
+    return psycopg is not None and isinstance(exc, psycopg.Error) and exc.sqlstate in TRANSIENT_SQLSTATES
+
+
 def errors() -> tuple[type[BaseException], ...]:
     """The exception types a PostgreSQL failure raises (for callers that catch database errors)."""
     return (StoreUnavailable,) if psycopg is None else (psycopg.Error, StoreUnavailable)

@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import asyncio
 import time
+from pathlib import Path
 
 import grpc
+import pytest
 from support import make_coordinator_dir, node_client, running_coordinator
 from test_server import expect_refusal, shaped_group
 
@@ -156,3 +158,33 @@ def test_one_live_session_per_key_on_postgres(pg_url):
     live = db.run_sync(script)
     db.close()
     assert live is not None and live.address == "10.0.0.1"
+
+
+def test_a_batch_rolled_back_by_a_deadlock_runs_again(store_target):
+    """PostgreSQL breaks a deadlock between two processes' writers by rolling one back (40P01): the writer
+    runs the whole batch again instead of answering the caller with an internal error."""
+    psycopg = pytest.importorskip("psycopg")
+    db = st.Database(st.database_target(Path("."), str(store_target)))
+    calls = []
+
+    def op(conn):
+        calls.append(1)
+        st.kv_set(conn, "deadlock-probe", len(calls))
+        if len(calls) == 1:
+            raise psycopg.errors.DeadlockDetected("deadlock detected (raised by the test)")
+        return len(calls)
+
+    try:
+        assert db.run_sync(op) == 2
+        assert db.run_sync(lambda c: st.kv_get(c, "deadlock-probe", None)) == 2  # the first run left nothing
+        calls.clear()
+
+        def always(conn):
+            calls.append(1)
+            raise psycopg.errors.DeadlockDetected("deadlock detected (raised by the test)")
+
+        with pytest.raises(psycopg.errors.DeadlockDetected):
+            db.run_sync(always)
+        assert len(calls) == st.TRANSIENT_RETRIES + 1  # bounded: a cycle that never clears is answered
+    finally:
+        db.close()
