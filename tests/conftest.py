@@ -42,9 +42,8 @@ def smollm2_dir():
         pytest.skip(f"the real test model is not available: {exc}")
 
 
-@pytest.fixture(scope="session")
-def pg_cluster():
-    """A throwaway PostgreSQL cluster for the session (tests/pg_cluster.py); skipped where none can run."""
+def throwaway_pg_cluster():
+    """Start a throwaway PostgreSQL cluster (tests/pg_cluster.py), yield it, stop it; skip where none can run."""
     from pg_cluster import Cluster, unavailable
 
     why = unavailable()
@@ -53,6 +52,12 @@ def pg_cluster():
     cluster = Cluster()
     yield cluster
     cluster.stop()
+
+
+@pytest.fixture(scope="session")
+def pg_cluster():
+    """A throwaway PostgreSQL cluster for the session; skipped where none can run."""
+    yield from throwaway_pg_cluster()
 
 
 @pytest.fixture()

@@ -57,6 +57,19 @@ def wait_http(port: int, proc: subprocess.Popen, log: Path) -> None:
     raise AssertionError(f"no /healthz on {port}:\n{log.read_text()[-3000:]}")
 
 
+def stop_all(procs: dict[str, subprocess.Popen]) -> None:
+    """SIGTERM to every process still running; each must exit within 30 s (else killed, and the test fails)."""
+    for proc in procs.values():
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+    for name, proc in procs.items():
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            pytest.fail(f"{name} did not stop on SIGTERM")
+
+
 def requests_served(http_port: int) -> int:
     with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/metrics", timeout=5) as r:
         text = r.read().decode()
@@ -134,15 +147,7 @@ def test_two_edges_and_a_trainer_share_one_postgres_store(pg_url, tmp_path):
         summary = db.run_sync(st.status_summary)
         db.close()
     finally:
-        for proc in procs.values():
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        for name, proc in procs.items():
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                pytest.fail(f"{name} did not stop on SIGTERM")
+        stop_all(procs)
 
     assert sorted(outcomes) == ["ok"] + ["replayed_nonce"] * 5
     assert served["edge-a"] > 0 and served["edge-b"] > 0, served  # both edges took part

@@ -14,14 +14,14 @@ from __future__ import annotations
 
 import asyncio
 import signal
-import subprocess
 import time
 import urllib.request
 
 import grpc
 import pytest
+from conftest import throwaway_pg_cluster
 from support import make_coordinator_dir
-from test_edges import free_port, requests_served, start, wait_http
+from test_edges import free_port, requests_served, start, stop_all, wait_http
 from test_server import shaped_group
 
 from veriroll.coordinator import store as st
@@ -37,14 +37,7 @@ CONNECTION_LOST = {"unavailable", "cancelled", "unknown", "deadline_exceeded"}  
 @pytest.fixture(scope="module")
 def faulty_pg():
     """A PostgreSQL cluster these tests may stop and restart without disturbing the session's."""
-    from pg_cluster import Cluster, unavailable
-
-    why = unavailable()
-    if why is not None:
-        pytest.skip(why)
-    cluster = Cluster()
-    yield cluster
-    cluster.stop()
+    yield from throwaway_pg_cluster()
 
 
 def results_by_reason(http_port: int) -> dict[str, float]:
@@ -58,17 +51,6 @@ def results_by_reason(http_port: int) -> dict[str, float]:
             counts[result] = counts.get(result, 0.0) + float(line.rsplit(" ", 1)[1])
     return counts
 
-
-def stop_all(procs: dict[str, subprocess.Popen]) -> None:
-    for proc in procs.values():
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-    for name, proc in procs.items():
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            pytest.fail(f"{name} did not stop on SIGTERM")
 
 
 class Node:

@@ -15,7 +15,7 @@ import threading
 import numpy as np
 import pytest
 from support import make_coordinator_dir, node_client, running_coordinator
-from test_edges import HANG_GUARD_S, free_port, start, wait_http
+from test_edges import HANG_GUARD_S, free_port, start, stop_all, wait_http
 
 from veriroll.coordinator import store as st
 from veriroll.coordinator.verifier_pool import MAX_CLAIMS, VerifierPool
@@ -302,15 +302,7 @@ def test_an_edge_and_two_verifier_processes_on_postgres_survive_a_verifier_kille
     finally:
         if "verifier-b" in procs:
             procs["verifier-b"].send_signal(signal.SIGCONT)
-        for proc in procs.values():
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        for name, proc in procs.items():
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                pytest.fail(f"{name} did not stop on SIGTERM")
+        stop_all(procs)
 
     assert killed_holding and procs["verifier-a"].returncode == -signal.SIGKILL
     assert ok.accepted and refusal.reason == "toploc_failed"
