@@ -410,10 +410,14 @@ class Database:
             self._reader_conns.append(conn)
         return fn(conn)
 
-    async def run_read(self, fn: Callable[[sqlite3.Connection], T]) -> T:
-        """``read`` for a coroutine: the result is set on the caller's loop directly."""
+    async def run_read(self, fn: Callable[[sqlite3.Connection], T], *, inline: bool = False) -> T:
+        """``read`` for a coroutine: the result is set on the caller's loop directly. ``inline``: a short read
+        (a few rows by key) on a SQLite file runs on the caller's thread, where the hop to the reader thread
+        and back would cost more than the read (WAL: a reader does not wait for the writer)."""
         if self._closed:
             raise RuntimeError("database is closed")
+        if inline and isinstance(self.path, Path):
+            return self._read_one(fn)
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
         self._reader.submit(self._read_into, _Op(fn, fut, loop))
