@@ -3,10 +3,15 @@ off), against a bare grpc.aio echo of the same message sizes, in the same run.
 
 Each simulated node loops LeaseWork -> SubmitGroup; the echo server answers the same two calls with
 the same request sizes. The coordinator runs as its own process (`veriroll coordinator run`) with TLS,
-the SQLite store and group commit; the echo server likewise with TLS. Clients run in one process.
+the SQLite store and group commit; the echo server likewise with TLS. Clients run in one process, apart
+from both servers; each intake client signs every request and builds its group's samples once (the
+echo client sends prebuilt bytes), since what a node spends generating a group is no part of intake.
 
-Prints one JSON line last: intake_groups_per_s, echo_per_s, ratio, p50_ms, p99_ms (submit latency).
-Target: ratio >= 0.5.
+Prints one JSON line last: intake_groups_per_s, echo_per_s, ratio (totals over all rounds), ratio_median
+(of the rounds' ratios: on a shared machine one round can catch a burst of someone else's load),
+p50_ms, p99_ms (submit latency), and the CPU each server spent: edge_cpu_ms_per_group (the coordinator's
+process and its reward workers, over the intake rounds) and echo_cpu_ms_per_call (the echo server, per
+lease + submit pair). Target: ratio >= 0.5.
 """
 
 from __future__ import annotations
@@ -48,12 +53,17 @@ asyncio.run(main(*sys.argv[1:]))
 '''
 
 
-def make_group(lease, pb) -> bytes:
+def make_samples(lease, pb) -> list:
+    """A group's samples for ``lease``'s shape: the same every time (generating them is no part of intake)."""
     t = lease.max_new_tokens
     rng = np.random.default_rng(0)
-    samples = [pb.Sample(token_ids=rng.integers(4, 14, t).tolist(), logprobs=np.full(t, -0.5, "<f4").tobytes(),
-                         proof=bytes(258 * 2 + 16), finish_reason="length") for _ in range(lease.group_size)]
-    return pb.SubmitGroupRequest(lease_id=lease.lease_id, policy_version=lease.policy_version, samples=samples)
+    return [pb.Sample(token_ids=rng.integers(4, 14, t).tolist(), logprobs=np.full(t, -0.5, "<f4").tobytes(),
+                      proof=bytes(258 * 2 + 16), finish_reason="length") for _ in range(lease.group_size)]
+
+
+def make_group(lease, pb, samples: list | None = None):
+    return pb.SubmitGroupRequest(lease_id=lease.lease_id, policy_version=lease.policy_version,
+                                 samples=samples if samples is not None else make_samples(lease, pb))
 
 
 async def intake_load(address: str, ca: bytes, clients: int, seconds: float) -> tuple[int, list[float]]:
@@ -71,12 +81,14 @@ async def intake_load(address: str, ca: bytes, clients: int, seconds: float) -> 
         key = PrivateKey.generate()
         stub = SignedStub(channels[i % len(channels)], key, timeout=30)
         await stub.register(pb.RegisterRequest(public_key=key.public.raw))
+        samples = None  # built once per client: every lease of this run has the same shape
         while time.perf_counter() < stop_at:
             resp = await stub.lease_work(pb.LeaseRequest(max_leases=1))
             if not resp.leases:
                 await asyncio.sleep(0.01)
                 continue
-            group = make_group(resp.leases[0], pb)
+            samples = samples or make_samples(resp.leases[0], pb)
+            group = make_group(resp.leases[0], pb, samples)
             t0 = time.perf_counter()
             await stub.submit_group(group)
             latencies.append(time.perf_counter() - t0)
@@ -116,11 +128,27 @@ async def echo_load(address: str, ca: bytes, clients: int, seconds: float, lease
     return done
 
 
+def cpu_seconds(pid: int) -> float:
+    """CPU time (user + system) of a process and its live children (the coordinator's reward workers)."""
+    import psutil
+
+    proc = psutil.Process(pid)
+    total = 0.0
+    for p in [proc, *proc.children(recursive=True)]:
+        try:
+            t = p.cpu_times()
+        except psutil.NoSuchProcess:
+            continue
+        total += t.user + t.system
+    return total
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="short run (under a minute)")
     ap.add_argument("--clients", type=int, default=32)
-    ap.add_argument("--seconds", type=float, default=20.0)
+    ap.add_argument("--seconds", type=float, default=20.0, help="of each load, over all rounds")
+    ap.add_argument("--rounds", type=int, default=2, help="echo and intake take turns this many times")
     args = ap.parse_args()
     seconds = 8.0 if args.quick else args.seconds
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -162,14 +190,22 @@ def main() -> int:
         asyncio.run(intake_load(f"127.0.0.1:{port}", ca, 4, 1.0))
         # Alternate the two loads in rounds so a change in background load hits both alike.
         echo_n = intake_n = 0
+        echo_cpu = intake_cpu = 0.0
         lat: list[float] = []
-        rounds = 2
+        ratios: list[float] = []
+        rounds = args.rounds
         for _ in range(rounds):
-            echo_n += asyncio.run(echo_load(f"127.0.0.1:{echo_port}", ca, args.clients, seconds / rounds,
-                                            lease_example.SerializeToString(), group_example))
+            before = cpu_seconds(echo.pid)
+            e = asyncio.run(echo_load(f"127.0.0.1:{echo_port}", ca, args.clients, seconds / rounds,
+                                      lease_example.SerializeToString(), group_example))
+            echo_cpu += cpu_seconds(echo.pid) - before
+            before = cpu_seconds(coord.pid)
             n, round_lat = asyncio.run(intake_load(f"127.0.0.1:{port}", ca, args.clients, seconds / rounds))
+            intake_cpu += cpu_seconds(coord.pid) - before
+            echo_n += e
             intake_n += n
             lat += round_lat
+            ratios.append(n / e if e else float("nan"))
     finally:
         coord.terminate()
         echo.terminate()
@@ -182,10 +218,14 @@ def main() -> int:
         "intake_groups_per_s": round(intake_rate, 1),
         "echo_per_s": round(echo_rate, 1),
         "ratio": round(intake_rate / echo_rate, 3) if echo_rate else None,
+        "ratio_median": round(float(np.median(ratios)), 3),
+        "edge_cpu_ms_per_group": round(1000 * intake_cpu / intake_n, 3) if intake_n else None,
+        "echo_cpu_ms_per_call": round(1000 * echo_cpu / echo_n, 3) if echo_n else None,
         "p50_ms": round(float(np.percentile(lat_ms, 50)), 2),
         "p99_ms": round(float(np.percentile(lat_ms, 99)), 2),
         "clients": args.clients,
         "seconds": seconds,
+        "rounds": rounds,
         "group": "8x64 tokens",
         "target_ratio": 0.5,
     }

@@ -250,7 +250,7 @@ class Intake:
         self.codec = codec
         self.verifier = verifier
         self.verify_budget = verify_budget  # a VerifierBudget, or None: verifier time unbounded
-        self._stop_ids = np.asarray(stop_token_ids, dtype=np.int64)
+        self._stop_ids = frozenset(int(t) for t in stop_token_ids)
         self._audit_rng = random.Random()
         self._verify_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="veriroll-verify")
         self.verdicts = None  # a verifier_pool.VerdictWaiter once verification is handed to the pool
@@ -270,7 +270,8 @@ class Intake:
         # group is audited) and the rewards off the store; then one writer op to accept, or to spend the
         # lease and count the refusal. The accept re-checks that the lease is still open, so a
         # concurrent submission of the same lease between the read and the write is caught there.
-        lease, prompt, prior, rejection = await self.db.run_read(lambda conn: self._precheck(conn, node, sub, digest, now))
+        lease, prompt, prior, rejection = await self.db.run_read(lambda conn: self._precheck(conn, node, sub, digest, now),
+                                                                   inline=True)
         if prior is not None:
             return await self._accepted_response(prior["group_id"])
         verified = False
@@ -381,12 +382,9 @@ class Intake:
 
     def completions(self, sub: Submission) -> list[str]:
         """Each sample's text as the rubric sees it: decoded without stop tokens or special tokens."""
-        texts = []
-        for s in sub.samples:
-            ids = np.asarray(s.token_ids, dtype=np.int64)
-            ids = ids[~np.isin(ids, self._stop_ids)]
-            texts.append(self.codec.decode(ids.tolist()))
-        return texts
+        # A set lookup per token: for a few dozen tokens, np.isin costs ~5x more (its setup dominates).
+        stop = self._stop_ids
+        return [self.codec.decode([t for t in np.asarray(s.token_ids).tolist() if t not in stop]) for s in sub.samples]
 
     def _counted(self, prompt: dict, result) -> list[float]:
         for kind in result.errors:

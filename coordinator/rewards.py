@@ -181,6 +181,9 @@ class RewardRunner:
         # process with threads can copy a held lock into the child.
         self._ctx = multiprocessing.get_context("spawn")
         self._slots: queue.Queue[_Worker | None] = queue.Queue()
+        self._workers = workers
+        self._gate: asyncio.Semaphore | None = None  # see score()
+        self._gate_loop: asyncio.AbstractEventLoop | None = None
         for _ in range(workers):
             self._slots.put(None)  # a free slot whose worker has not started yet
         self._lock = threading.Lock()
@@ -272,9 +275,19 @@ class RewardRunner:
         if n == 0:
             return out
         loop = asyncio.get_running_loop()
+        if self._gate_loop is not loop:  # one gate per event loop (tests run one loop after another)
+            self._gate, self._gate_loop = asyncio.Semaphore(self._workers), loop
+        # Groups wait for a free worker here, on the loop. Waiting in the loop's default executor instead
+        # cost a thread wake-up per group, and with more waiting groups than executor threads the
+        # executor filled up, so that the _discard or _start a busy worker needed could not run.
+        async with self._gate:
+            return await self._score_on_a_worker(loop, prompt, completions, out)
+
+    async def _score_on_a_worker(self, loop, prompt: Prompt, completions: list[str], out: GroupRewards) -> GroupRewards:
+        n = len(completions)
         try:
             worker = self._slots.get_nowait()
-        except queue.Empty:  # every worker is busy: wait for one without blocking the loop
+        except queue.Empty:  # a blocking caller (a thread) holds the worker: wait for it off the loop
             worker = await loop.run_in_executor(None, self._slots.get)
         try:
             next_index = 0

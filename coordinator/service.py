@@ -196,7 +196,9 @@ class CoordinatorService:
     async def _read_body(self, read: Callable[[], Awaitable[bytes | None]]) -> bytes:
         timeout = self.cfg.server.body_timeout_s
         try:
-            body = await asyncio.wait_for(read(), timeout)
+            # A deadline on this task rather than wait_for, which runs the read in a task of its own.
+            async with asyncio.timeout(timeout):
+                body = await read()
         except TimeoutError:
             raise Refusal(Reason.MALFORMED, f"the request's body did not arrive within {timeout:g} s") from None
         if body is None:

@@ -215,3 +215,26 @@ def test_a_hanging_reward_does_not_stall_other_nodes_intake(tmp_path, flaky_spec
             assert ok.accepted and list(ok.rewards) == [1.0] * 4
 
     asyncio.run(scenario())
+
+
+def test_many_groups_waiting_for_a_hung_worker_do_not_block_its_replacement(flaky_spec):
+    """More groups wait for the one worker than the loop's default executor has threads, while the worker
+    hangs: its replacement still starts, and every group is scored (waiting in executor threads, the
+    waiters held every thread the kill and the restart needed)."""
+    runner = RewardRunner(flaky_spec, timeout_s=0.5)
+
+    async def scenario():
+        hung = asyncio.create_task(runner.score(PROMPT, ["4", "1"]))
+        while not runner._live:  # the worker has started on the hanging group
+            await asyncio.sleep(0.01)
+        waiting = [asyncio.create_task(runner.score(PROMPT, ["2"])) for _ in range(40)]
+        done, _ = await asyncio.wait([hung, *waiting], timeout=120)
+        assert len(done) == 41, "groups still waiting for a reward worker"
+        return hung.result(), [task.result() for task in waiting]
+
+    try:
+        hung, rest = asyncio.run(scenario())
+        assert hung.rewards == [0.0, 1.0] and hung.errors == ["timeout", None]
+        assert all(out.rewards == [0.5] for out in rest) and runner.restarts == 1
+    finally:
+        runner.close()
