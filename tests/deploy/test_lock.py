@@ -22,6 +22,8 @@ def _satisfied(pins: dict[str, str], requirements: list) -> list[str]:
 def test_cpu_lock_pins_every_runtime_requirement_within_its_range():
     pins = lock.read_pins(lock.CPU_LOCK)
     assert _satisfied(pins, lock.project_requirements()) == []
+    for extra in lock.IMAGE_EXTRAS:  # the scale-out roles' PostgreSQL driver, the nodes' swarm
+        assert _satisfied(pins, lock.project_requirements(extra)) == [], extra
     assert pins["torch"].endswith("+cpu"), "the CPU image pins the CPU build of torch"
     assert f"--extra-index-url {lock.CPU_TORCH_INDEX}" in lock.CPU_LOCK.read_text().splitlines()
     assert DEV_ONLY.isdisjoint(pins), "dev tools and extras stay out of the CPU image"
