@@ -243,6 +243,7 @@ class _Peer:
         self.peer_id = peer_id
         self.ewma_bps: float | None = None
         self.inflight = 0  # shards asked of it now (the schedule counts them)
+        self.window: float | None = None  # shards it takes at once, once it answered BUSY (the schedule sets the cap)
         self.held: set[int] = set()  # its last HAVE answer, less the shards it then did not serve
         self.heard = False  # it answered HAVE, or failed, at least once
         self.strikes = 0  # failures in a row (a success forgives them)
@@ -254,6 +255,8 @@ class _Peer:
 
     def record_success(self, nbytes: int, seconds: float) -> None:
         self.strikes = 0
+        if self.window is not None:  # grow back slowly (one more after WINDOW_GROWTH windows' worth of successes):
+            self.window += 1 / (WINDOW_GROWTH * self.window)  # a BUSY may have been a race with a stream's close
         bps = nbytes / max(seconds, 1e-6)
         self.ewma_bps = bps if self.ewma_bps is None else (1 - EWMA_ALPHA) * self.ewma_bps + EWMA_ALPHA * bps
 
@@ -262,6 +265,7 @@ PEER_ASK_EVERY_S = 1.0  # how often peers are asked what they hold while shards 
 PEER_BUSY_WAIT_S = 0.5  # a busy peer is asked again after about this long
 PEER_BACKOFF_S = 1.0  # wait after a peer's first failure in a row; doubles with each further one
 MAX_PEER_STRIKES = 4  # failures in a row before a peer is dropped for the fetch
+WINDOW_GROWTH = 8  # a window grows by one shard after this many windows of shards served without BUSY
 MIN_PATIENCE_S = 2.0  # least wait, per step of distance in the ring, before fetching another node's stripe
 
 
@@ -1315,7 +1319,9 @@ class _Fetch:
             return
         now = time.monotonic()
         if exc.reason == "refused":
-            # Busy or rate-limited: it is serving others. Come back soon; the shard waits for it, not the origin.
+            # Busy or rate-limited: we asked more at once than it allows. Ask fewer at once and come back soon;
+            # the shard waits for it, not the origin.
+            peer.window = max(1.0, peer.inflight - 1)
             peer.ready_at = max(peer.ready_at, now + PEER_BUSY_WAIT_S * random.uniform(0.5, 1.5))
             return
         # Unreachable (a dial storm at the start of a broadcast times out many dials), stalled, cut off, or it
@@ -1389,19 +1395,20 @@ class _SwarmSchedule:
                 for i in sorted((i for i in wanted if holders[i]), key=lambda i: (len(holders[i]), random.random())):
                     if len(shard_tasks) >= fetch.concurrency:
                         break
-                    free = [p for p in holders[i] if p.inflight < self.per_peer and p.ready_at <= now]
+                    free = [p for p in holders[i] if p.inflight < self._cap(p) and p.ready_at <= now]
                     if free:
                         peer = random.choices(free, weights=[p.weight(self._prior_bps()) for p in free])[0]
                         task = asyncio.create_task(fetch._shard_from_peer(self.manifest, self.fds, i, peer))
                         peer.inflight += 1  # counted now, so this pass does not give the peer more than it allows
                         task.add_done_callback(lambda _t, p=peer: setattr(p, "inflight", p.inflight - 1))
                         shard_tasks[task] = i
+                # Look again when a task ends, a busy or backing-off peer may be asked again, or it is time to ask.
+                wake_s = min([PEER_ASK_EVERY_S, *(p.ready_at - now for p in live if p.ready_at > now)])
                 pending = [*shard_tasks, *ask_tasks, *([relay_task] if relay_task is not None else [])]
                 if not pending:
-                    await asyncio.sleep(PEER_ASK_EVERY_S)
+                    await asyncio.sleep(wake_s)
                     continue
-                finished, _ = await asyncio.wait(pending, timeout=PEER_ASK_EVERY_S,
-                                                 return_when=asyncio.FIRST_COMPLETED)
+                finished, _ = await asyncio.wait(pending, timeout=wake_s, return_when=asyncio.FIRST_COMPLETED)
                 for task in finished:
                     if task is relay_task:
                         accepted += task.result()  # what the relays could not serve ends the fetch, as without peers
@@ -1420,6 +1427,11 @@ class _SwarmSchedule:
                 task.cancel()
             await asyncio.gather(*leftover, return_exceptions=True)
         return accepted
+
+    def _cap(self, peer: _Peer) -> int:
+        """Shards to ask of ``peer`` at once: what it allows one peer, less the stream kept for HAVE, or less
+        once it answered BUSY."""
+        return self.per_peer if peer.window is None else min(self.per_peer, int(peer.window))
 
     def _prior_bps(self) -> float:
         known = [p.ewma_bps for p in self.peers if p.ewma_bps is not None]
