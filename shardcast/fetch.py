@@ -36,15 +36,18 @@ rebuilds wrong bytes, no relay serving the delta) costs only the download of tha
 reasons are in ``FetchResult.delta_problems``. A mirror (``keep_delta``) also keeps every piece, so that
 it can serve the delta in turn.
 
-Peers (``swarm``, ``swarm/host.py``): with a running Swarm, shards come from peers first, HTTP relays
-after, in rounds. Each round asks every announced peer holding the version which of its shards it has
-(one stream per peer) and fetches those from peers chosen at random, weighted by measured throughput.
-When no peer offers anything, the node downloads its stripe from the relays: about its share of the
-shards, starting at its own place in the list (by its rank among the peers), so that nodes fetching at
-once take different shards from the origin and then trade them. A peer's bytes are hashed on arrival
-like a relay's; a peer that sends bad ones is banned by the swarm and named in ``FetchResult.bad_peers``;
-one that stalls, cannot be reached or lied about what it holds only costs a fall back to the next
-source. Every shard verified here is served to peers at once, and the version whole once it is ready.
+Peers (``swarm``, ``swarm/host.py``): with a running Swarm, shards come from peers, and from the HTTP
+relays only what no live peer holds (``_SwarmSchedule``). Every second each announced peer holding the
+version is asked which of its shards it has (one stream per peer); the rarest wanted shard goes first, to
+a peer chosen at random weighted by measured throughput, never more at once to one peer than it serves to
+one peer (less when it answered BUSY), and a busy peer is waited for. The relays serve at once this node's
+stripe (its share of the shards, by its rank among the peers, so that nodes fetching at once take
+different shards from the origin and then trade them), another node's stripe once that node has had time
+to fetch it, and whatever is left when the peers stop delivering or none is left. A peer's bytes are hashed
+on arrival like a relay's; a peer that sends bad ones is banned by the swarm and named in
+``FetchResult.bad_peers``; one that stalls, cannot be reached or lied about what it holds is backed off
+and, after a few failures in a row, dropped for the fetch. Every shard verified here is served to peers at
+once, and the version whole once it is ready.
 
 Downloads go into ``<parent>/.<name>.shardcast-partial/`` with a journal of finished shards; a fetch
 that is interrupted (killed, disk full, relays gone) and run again skips the shards it already has,
