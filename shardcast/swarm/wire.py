@@ -65,7 +65,7 @@ class SwarmLimits:
     """... and in a burst; more are answered RATE_LIMITED."""
     stream_timeout_s: float = 10.0
     """Longest silence within a stream (the request, the answer's header, any chunk of it): past it the
-    stream is dropped and, as a client, the peer is skipped for the rest of the fetch."""
+    stream is dropped and, as a client, the peer is backed off (dropped for the fetch after a few in a row)."""
     open_timeout_s: float = 5.0
     """Dialling a peer and opening a stream to it."""
 

@@ -73,6 +73,25 @@ def test_a_node_fetches_a_version_from_a_peer_with_no_relay(store, checkpoint, c
     assert served == result.manifest.total_size and result.bad_peers == []
 
 
+def test_a_busy_peer_is_waited_for_not_replaced_by_the_origin(store, checkpoint, coord_key, tmp_path):
+    async def go():
+        # The seed serves one stream per peer at once; the node asks up to three shards of it together, so
+        # most are answered BUSY. Every shard must still come from the seed, none from the origin.
+        seed = Swarm(listen=LOOPBACK, limits=SwarmLimits(max_streams_per_peer=1))
+        node = Swarm(listen=LOOPBACK)
+        async with started(seed, node), RelayServer(store, coord_key.public, port=0) as origin:
+            seed.serve(version_dir(store, 1), manifest_of(store, coord_key))
+            announce(node, seed)
+            result = await fetch_version([origin.url], coord_key.public, tmp_path / "out", swarm=node, **FAST)
+            return result, origin.url, seed.refusals[Refusal.BUSY]
+
+    result, origin_url, busy = run(go())
+    assert busy >= 1  # the seed did refuse streams
+    assert same_tree(checkpoint, tmp_path / "out")
+    assert result.shards_from_peers == len(result.manifest.shards)
+    assert result.relays[origin_url].bytes == 0
+
+
 def test_a_corrupting_peer_is_named_and_banned_and_no_bad_version_is_installed(
     store, checkpoint, coord_key, tmp_path
 ):
