@@ -237,6 +237,95 @@ def swarm_over_wan(size_mib: int, clients: int, profile: str) -> dict:
         shutil.rmtree(work, ignore_errors=True)
 
 
+def swarm_adversity(size_mib: int = 16, nodes: int = 4) -> dict:
+    """``bad_peer_detected`` and ``nat_nodes_served_peers``, on loopback.
+
+    A liar (a swarm serving a copy with one byte flipped in every shard) is announced to ``nodes`` nodes
+    fetching at once: detected when every node names it, none names anyone else, and every node's copy
+    verified (the fetch checks every shard against the signed manifest and fails rather than install a
+    bad one). Then a node with no inbound port (announced only at its circuit address through a swarm that
+    relays) serves a whole version to another node: ``nat_nodes_served_peers`` counts such nodes that
+    uploaded shards (1 of 1 here).
+    """
+    try:
+        from veriroll.shardcast.swarm.hints import PeerHint, PeerHints
+        from veriroll.shardcast.swarm.host import Swarm
+    except ImportError as exc:
+        return {"adversity_skipped": f"the swarm is not importable: {exc}"}
+    from shardcast import build_checkpoint
+    from veriroll.protos.identity import write_keypair
+    from veriroll.shardcast.fetch import fetch_version
+    from veriroll.shardcast.manifest import verify_manifest
+    from veriroll.shardcast.publish import publish_checkpoint
+    from veriroll.shardcast.relay import RelayServer
+    from veriroll.shardcast.store import MANIFEST_NAME, version_dir
+
+    work = Path(tempfile.mkdtemp(prefix="broadcast-adversity-"))
+    key = write_keypair(work / "coordinator.key", force=True)
+    build_checkpoint(work / "ckpt", size_mib << 20)
+    publish_checkpoint(work / "ckpt", work / "origin", key, 1, shard_size=1 << 20)
+    held = version_dir(work / "origin", 1)
+    manifest = verify_manifest((held / MANIFEST_NAME).read_bytes(), key.public)
+    liar_dir = work / "liar"
+    shutil.copytree(held, liar_dir)
+    for shard in manifest.shards:
+        with open(liar_dir / shard.file, "r+b") as f:
+            f.seek(shard.offset + 7)
+            byte = f.read(1)
+            f.seek(shard.offset + 7)
+            f.write(bytes([byte[0] ^ 0xFF]))
+    loopback = "/ip4/127.0.0.1/tcp/0"
+    opts = {"progress": False, "fsync": False}
+
+    async def liar_run() -> dict:
+        liar = Swarm(listen=loopback)
+        swarms = [Swarm(listen=loopback) for _ in range(nodes)]
+        async with RelayServer(work / "origin", key.public, port=0) as origin:
+            try:
+                for sw in (liar, *swarms):
+                    await sw.start()
+                liar.serve(liar_dir, manifest)
+                hints = PeerHints(1, tuple(PeerHint(sw.peer_id, tuple(sw.addrs), (1,)) for sw in (liar, *swarms)))
+                for sw in swarms:
+                    sw.announce(hints)
+                results = await asyncio.gather(*(fetch_version([origin.url], key.public, work / f"node-{i}", 1,
+                                                               swarm=sw, **opts) for i, sw in enumerate(swarms)),
+                                               return_exceptions=True)
+            finally:
+                for sw in (liar, *swarms):
+                    await sw.stop()
+        named = [{bad.relay for bad in r.bad_peers} for r in results if not isinstance(r, BaseException)]
+        failed = [repr(r)[:200] for r in results if isinstance(r, BaseException)]
+        # What each node installed, byte for byte against the checkpoint that was published.
+        good = (work / "ckpt" / "model.safetensors").read_bytes()
+        bad_installs = sum((work / f"node-{i}" / "model.safetensors").read_bytes() != good for i in range(nodes)
+                           if not isinstance(results[i], BaseException))
+        return {"bad_peer_detected": not failed and not bad_installs and all(n == {liar.peer_id} for n in named),
+                "nodes_naming_the_bad_peer": sum(n == {liar.peer_id} for n in named),
+                "nodes_installed_bad_version": bad_installs, "fetch_failures": failed}
+
+    async def nat_run() -> dict:
+        relay, natted, node = Swarm(listen=loopback, relay=True), Swarm(listen=loopback), Swarm(listen=loopback)
+        async with RelayServer(work / "origin", key.public, port=0) as origin:
+            try:
+                for sw in (relay, natted, node):
+                    await sw.start()
+                natted.serve(held, manifest)
+                circuit = await natted.reserve(relay.peer_id, relay.addrs[0])
+                node.announce(PeerHints(1, (PeerHint(natted.peer_id, (circuit,), (1,)),)))
+                result = await fetch_version([origin.url], key.public, work / "via-circuit", 1, swarm=node, **opts)
+            finally:
+                for sw in (relay, natted, node):
+                    await sw.stop()
+        return {"nat_nodes_served_peers": int(natted.bytes_served > 0), "nat_nodes": 1,
+                "nat_bytes_served": natted.bytes_served, "nat_version_bytes": result.manifest.total_size}
+
+    try:
+        return {**asyncio.run(liar_run()), **asyncio.run(nat_run())}
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="the tree at 64 MiB and 4 clients, the WAN at 64 MiB")
@@ -279,6 +368,8 @@ def main() -> None:
               f"{wan['time_to_95pct_s_tree']} s through the tree, {wan['time_to_95pct_s_direct']} s direct; origin "
               f"copies {wan['origin_copies_tree']} vs {wan['origin_copies_direct']}")  # fmt: skip
         swarm = swarm_over_wan(wan_mib, wan_clients, args.wan) if args.swarm else {}
+        if args.swarm:
+            swarm.update(swarm_adversity())
         if swarm:
             print(f"swarm: {swarm}")
         print(
@@ -304,6 +395,7 @@ def main() -> None:
                     "origin_copies": {"tree": wan["origin_copies_tree"], "direct": wan["origin_copies_direct"],
                                       **({"swarm": swarm["origin_copies_swarm"]} if "origin_copies_swarm" in swarm else {})},
                     "tree_clients": clients,
+                    **{k: swarm[k] for k in ("bad_peer_detected", "nat_nodes_served_peers") if k in swarm},
                     "deltas": deltas,
                     "model": "smollm2-135m-instruct",
                     "cpus": os.cpu_count(),
