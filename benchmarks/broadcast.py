@@ -27,8 +27,9 @@
    clients, behind its own ``rtt=100ms,down=100mbit,up=100mbit`` link through ``veriroll.deploy.wan``):
    16 clients, 256 MiB; ``wan.time_to_95pct_s_tree`` / ``_direct`` is the time until 95 % of them hold a
    verified checkpoint, ``wan.origin_copies_tree`` / ``_direct`` the origin's bytes / the checkpoint's.
-   ``--swarm`` adds the libp2p swarm's figures (``time_to_95pct_s_swarm``, ``origin_copies_swarm``)
-   where ``veriroll.shardcast.swarm`` offers its benchmark entry point (see :func:`swarm_over_wan`).
+   ``--swarm`` adds the libp2p swarm over the same links (``time_to_95pct_s_swarm``,
+   ``origin_copies_swarm``: :func:`swarm_over_wan`) and, on loopback, ``bad_peer_detected`` and
+   ``nat_nodes_served_peers`` (:func:`swarm_adversity`).
 
 ``--quick``: the tree at 64 MiB and 4 clients instead of 256 MiB and 16, and the WAN scenario at 64 MiB
 and 16 clients (the delta part is the same). ``--skip-deltas`` leaves out part 1 (no model needed).
