@@ -7,13 +7,14 @@ from pathlib import Path
 import pytest
 
 from veriroll.coordinator.config import CoordinatorConfig
-from veriroll.deploy.topology import TestnetConfig
+from veriroll.deploy.topology import TestnetConfig as TopologyConfig
 from veriroll.node.config import NodeConfig
 from veriroll.protos.config import ConfigError, load_config
 
 ROOT = Path(__file__).resolve().parents[1]
-MODELS = {"coordinator.toml": CoordinatorConfig, "node.toml": NodeConfig, "testnet.toml": TestnetConfig,
-          "scale-out.toml": TestnetConfig}
+# (TestnetConfig is imported as TopologyConfig: pytest would try to collect a Test* name as a test class.)
+MODELS = {"coordinator.toml": CoordinatorConfig, "node.toml": NodeConfig, "testnet.toml": TopologyConfig,
+          "scale-out.toml": TopologyConfig}
 SHIPPED = sorted(p for p in ROOT.rglob("*.toml")
                  if p.name != "pyproject.toml" and not any(part.startswith(".") or part in ("runs", "build") for part in p.relative_to(ROOT).parts))
 
