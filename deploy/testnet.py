@@ -188,7 +188,8 @@ class Testnet:
         grpc_of = {n: f"127.0.0.1:{ports['grpc']}" for n in names}
         relays_of = {n: leaves for n in names}
         nat = set(names[: min(self.wan.nat_nodes, self.cfg.honest_nodes)] if self.wan else [])
-        # Behind NAT nothing can dial in, and the node does not reserve a circuit relay yet: NAT nodes run no
+        # Behind NAT nothing can dial in, and this testnet starts no circuit relay (`relay run --swarm-listen`,
+        # node `swarm_relays`; tests/shardcast/test_swarm.py runs one): NAT nodes run no
         # swarm (relays only).
         swarm_ports = {n: free_port() for n, kind in zip(names, kinds, strict=True) if not kind} if self.swarm else {}
         swarm_at = {n: f"/ip4/127.0.0.1/tcp/{p}" for n, p in swarm_ports.items()}

@@ -375,6 +375,23 @@ class NodeAgent:
             else:
                 failing.succeeded()
 
+    async def _reserve_circuits(self, swarm) -> None:
+        """A slot on each of ``swarm_relays``: peers then reach this node through them (its heartbeat lists
+        the circuit addresses). A relay that refuses costs only that: the node still fetches from peers."""
+        from veriroll.shardcast.swarm.errors import SwarmError
+
+        for relay in self.cfg.swarm_relays:
+            addr, sep, peer_id = relay.rpartition("/p2p/")
+            if not sep or not addr or not peer_id:
+                log.error("swarm_relays entry %r is not /ip4/HOST/tcp/PORT/p2p/PEER_ID; skipped", relay)
+                continue
+            try:
+                circuit = await swarm.reserve(peer_id, addr)
+            except SwarmError as exc:
+                log.warning("no circuit through relay %s: %s", relay, exc)
+            else:
+                log.info("peers reach this node through circuit %s", circuit)
+
     def _swarm_listing(self) -> dict:
         """What this node's peer swarm serves (HeartbeatRequest fields), for the coordinator to announce."""
         listing = getattr(self.versions, "swarm_listing", None)
@@ -417,6 +434,7 @@ class NodeAgent:
             if swarm is not None:
                 await swarm.start()
                 log.info("peer swarm %s listening on %s", swarm.peer_id, ", ".join(swarm.addrs))
+                await self._reserve_circuits(swarm)
             await self.register()
             if self.policy is not None:
                 await self._unless_abandoned(self.versions.ensure(self.policy.version, list(self.policy.relays)))

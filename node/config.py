@@ -54,6 +54,10 @@ class NodeConfig(BaseModel):
     swarm_announce: list[str] = Field(default_factory=list, description="with swarm_listen: the multiaddrs other "
                                       "nodes are to dial this one at, when not its listen address (a port forward, "
                                       "a proxy); default: where it listens")
+    swarm_relays: list[str] = Field(default_factory=list, description="with swarm_listen, for a node no peer can "
+                                    "dial (home NAT): circuit relays to reserve a slot on, as printed by `veriroll "
+                                    "relay run --swarm-listen` (/ip4/HOST/tcp/PORT/p2p/PEER_ID); peers reach it "
+                                    "through them")
     swarm_listen: str = Field("", description="serve and fetch checkpoint shards peer to peer over libp2p, listening on this multiaddr (e.g. /ip4/0.0.0.0/tcp/8490; empty: off). Needs the swarm extra: pip install 'veriroll[swarm]'")
     display_name: str = Field("", description="name shown on the coordinator's dashboard")
     adversary: str = Field("", description="TESTING ONLY: behave dishonestly in the named way (see `veriroll node run --help`)")

@@ -145,25 +145,45 @@ def _count_or_off(text: str) -> int | None:
     return n or None
 
 
-def cmd_relay_run(args: argparse.Namespace) -> int:
+async def _relay_with_circuits(listen: str, serve) -> None:
+    """``serve()`` (the HTTP relay, until a signal) beside a libp2p swarm that carries circuits for nodes
+    with no inbound port (circuit relay v2): they reserve a slot on it (node config ``swarm_relays``)."""
+    # The swarm extra: without libp2p an ImportError stops the relay at start.
+    from .swarm.host import Swarm
+
+    swarm = Swarm(listen=listen, relay=True)
+    await swarm.start()
     try:
-        asyncio.run(
-            relay.serve_relay(
-                args.store,
-                args.coordinator_key,
-                upstreams=args.upstream,
-                host=args.host,
-                port=args.port,
-                keep=args.keep,
-                poll_interval=args.poll_interval,
-                idle_timeout=args.idle_timeout,
-                max_connections=args.max_connections,
-                max_connections_per_address=args.max_connections_per_address,
-                max_transfers=args.max_transfers,
-                max_transfers_per_address=args.max_transfers_per_address,
-                stream_wait=args.stream_wait,
-            )
+        for addr in swarm.addrs:
+            print(f"circuit relay at {addr}/p2p/{swarm.peer_id}", flush=True)
+        await serve()
+    finally:
+        await swarm.stop()
+
+
+def cmd_relay_run(args: argparse.Namespace) -> int:
+    def serve():
+        return relay.serve_relay(
+            args.store,
+            args.coordinator_key,
+            upstreams=args.upstream,
+            host=args.host,
+            port=args.port,
+            keep=args.keep,
+            poll_interval=args.poll_interval,
+            idle_timeout=args.idle_timeout,
+            max_connections=args.max_connections,
+            max_connections_per_address=args.max_connections_per_address,
+            max_transfers=args.max_transfers,
+            max_transfers_per_address=args.max_transfers_per_address,
+            stream_wait=args.stream_wait,
         )
+
+    try:
+        asyncio.run(_relay_with_circuits(args.swarm_listen, serve) if args.swarm_listen else serve())
+    except ImportError as exc:
+        print(f"error: --swarm-listen needs libp2p: pip install 'veriroll[swarm]' ({exc})", file=sys.stderr)
+        return 2
     except (ShardcastError, OSError) as exc:
         return _fail(exc)
     except KeyboardInterrupt:
@@ -215,6 +235,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--upstream", action="append", default=[], metavar="URL", help="relay to mirror (repeatable)"
     )
     run.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    run.add_argument("--swarm-listen", default="", metavar="MULTIADDR",
+                     help="also carry libp2p circuits for nodes with no inbound port, listening here "
+                     "(e.g. /ip4/0.0.0.0/tcp/8491; needs veriroll[swarm])")
     run.add_argument("--keep", type=int, default=3, help="versions to mirror and keep (default 3)")
     run.add_argument("--poll-interval", type=float, default=5.0, help="seconds between upstream polls")
     run.add_argument(

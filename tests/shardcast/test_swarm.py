@@ -342,3 +342,45 @@ def test_a_node_with_no_inbound_port_serves_peers_through_a_circuit_relay(store,
     circuit, relay_id, shards, served = run(go())
     assert circuit.endswith(f"/p2p/{relay_id}/p2p-circuit")
     assert shards and served == sum(len(s) for s in shards) == sum(s.size for s in manifest.shards[:3])
+
+
+def test_a_node_behind_nat_reserves_a_circuit_on_a_relay_process_and_serves_through_it(store, coord_key, tmp_path):
+    """`veriroll relay run --swarm-listen` carries circuits; a node's `swarm_relays` entry (the address that
+    relay prints) is parsed and reserved as the node agent does at start; a third node fetches through it."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    from veriroll.node.agent import NodeAgent
+
+    manifest = manifest_of(store, coord_key)
+    pub = tmp_path / "keys" / "coordinator.key.pub"
+    veriroll = str(Path(sys.executable).parent / "veriroll")
+    proc = subprocess.Popen([veriroll, "relay", "run", "--store", str(tmp_path / "relay-store"), "--port", "0",
+                             "--coordinator-key", str(pub), "--swarm-listen", LOOPBACK],
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                            env=dict(os.environ, OMP_NUM_THREADS="1"))
+    try:
+        line = proc.stdout.readline().strip()
+        assert line.startswith("circuit relay at /ip4/127.0.0.1/tcp/") and "/p2p/" in line, line
+        relay_addr = line.removeprefix("circuit relay at ")
+
+        async def go():
+            natted, node = Swarm(listen=LOOPBACK), Swarm(listen=LOOPBACK)
+            async with started(natted, node):
+                natted.serve(version_dir(store, 1), manifest)
+                agent = SimpleNamespace(cfg=SimpleNamespace(swarm_relays=["not-a-multiaddr", relay_addr]))
+                await NodeAgent._reserve_circuits(agent, natted)
+                circuits = [a for a in natted.addrs if a.endswith("/p2p-circuit")]
+                node.announce(PeerHints(1, (PeerHint(natted.peer_id, tuple(circuits), (1,)),)))
+                shard = manifest.shards[0]
+                return circuits, await node.fetch_shard(natted.peer_id, shard.sha256, shard.size), natted.bytes_served
+
+        circuits, data, served = run(go())
+        assert len(circuits) == 1 and circuits[0].startswith(relay_addr)  # the bad entry was skipped, not fatal
+        assert len(data) == manifest.shards[0].size == served
+    finally:
+        proc.terminate()
+        assert proc.wait(timeout=15) == 0
