@@ -57,6 +57,18 @@ def wait_http(port: int, proc: subprocess.Popen, log: Path) -> None:
     raise AssertionError(f"no /healthz on {port}:\n{log.read_text()[-3000:]}")
 
 
+def start_edges_and_trainer(base: Path, logs: Path, grpc_port: int, http: dict[str, int],
+                            procs: dict[str, subprocess.Popen]) -> None:
+    """Edges 'edge-a' and 'edge-b' on one gRPC port and a trainer, each a real process (added to ``procs``
+    as it starts, so the caller's ``stop_all`` stops what did), serving /healthz on its ``http`` port."""
+    for name in ("edge-a", "edge-b"):
+        procs[name] = start(base, logs / f"{name}.log", "--role=edge", f"server.port={grpc_port}",
+                            f"server.http_port={http[name]}")
+    procs["trainer"] = start(base, logs / "trainer.log", "role=trainer", f"server.http_port={http['trainer']}")
+    for name, proc in procs.items():
+        wait_http(http[name], proc, logs / f"{name}.log")
+
+
 def stop_all(procs: dict[str, subprocess.Popen]) -> None:
     """SIGTERM to every process still running; each must exit within 30 s (else killed, and the test fails)."""
     for proc in procs.values():
@@ -85,12 +97,7 @@ def test_two_edges_and_a_trainer_share_one_postgres_store(pg_url, tmp_path):
     http = {"edge-a": free_port(), "edge-b": free_port(), "trainer": free_port()}
     procs = {}
     try:
-        for name in ("edge-a", "edge-b"):
-            procs[name] = start(base, tmp_path / f"{name}.log", "--role=edge", f"server.port={grpc_port}",
-                                f"server.http_port={http[name]}")
-        procs["trainer"] = start(base, tmp_path / "trainer.log", "role=trainer", f"server.http_port={http['trainer']}")
-        for name, proc in procs.items():
-            wait_http(http[name], proc, tmp_path / f"{name}.log")
+        start_edges_and_trainer(base, tmp_path, grpc_port, http, procs)
         ca = (base / "tls" / "ca.crt").read_bytes()
 
         async def nodes():

@@ -21,7 +21,7 @@ import grpc
 import pytest
 from conftest import throwaway_pg_cluster
 from support import make_coordinator_dir
-from test_edges import free_port, requests_served, start, stop_all, wait_http
+from test_edges import free_port, requests_served, start, start_edges_and_trainer, stop_all, wait_http
 from test_server import shaped_group
 
 from veriroll.coordinator import store as st
@@ -221,12 +221,7 @@ def test_killing_one_edge_under_load_loses_no_group_and_trains_none_twice(faulty
     http = {"edge-a": free_port(), "edge-b": free_port(), "trainer": free_port()}
     procs = {}
     try:
-        for name in ("edge-a", "edge-b"):
-            procs[name] = start(base, tmp_path / f"{name}.log", "--role=edge", f"server.port={grpc_port}",
-                                f"server.http_port={http[name]}")
-        procs["trainer"] = start(base, tmp_path / "trainer.log", "role=trainer", f"server.http_port={http['trainer']}")
-        for name, proc in procs.items():
-            wait_http(http[name], proc, tmp_path / f"{name}.log")
+        start_edges_and_trainer(base, tmp_path, grpc_port, http, procs)
         ca = (base / "tls" / "ca.crt").read_bytes()
         acked: list[str] = []
         killed = asyncio.Event()
