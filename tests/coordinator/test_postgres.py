@@ -105,6 +105,9 @@ def test_named_operations_give_the_same_results_on_both_backends(store_target):
     db.close()
 
 
+HANG_GUARD_POLLS = 3600  # 0.05 s each
+
+
 def test_a_whole_coordinator_runs_on_postgres(pg_url, tmp_path):
     base = make_coordinator_dir(tmp_path, {"database": pg_url, "trainer.enabled": True, "trainer.min_groups": 2,
                                            "trainer.groups_per_step": 2, "trainer.lr": 1e-3,
@@ -119,8 +122,11 @@ def test_a_whole_coordinator_runs_on_postgres(pg_url, tmp_path):
                 bad = shaped_group(second)
                 bad.samples.pop()
                 await expect_refusal(stub.submit_group(bad), grpc.StatusCode.INVALID_ARGUMENT, "wrong_group_size")
-            for _ in range(600):  # the trainer steps on the two accepted groups
-                if coord.db.run_sync(lambda c: st.kv_get(c, "trainer_step", 0)) >= 1:
+            # The trainer steps on the two accepted groups; its version is current once committed and then
+            # published (policy.version moves last). A hang guard, not a time limit: it may take long on a
+            # loaded machine, and reading the summary before the step commits would race it.
+            for _ in range(HANG_GUARD_POLLS):
+                if coord.service.policy.version >= 1:
                     break
                 await asyncio.sleep(0.05)
             summary = coord.db.run_sync(st.status_summary)

@@ -245,7 +245,7 @@ def test_a_new_version_becomes_current_only_once_shardcast_holds_it(tmp_path):
 
             coord.publish_version = watched
             seed(coord.db, [SIGNAL, SIGNAL])
-            for _ in range(600):
+            for _ in range(3600):  # a hang guard (0.05 s each), not a time limit
                 if coord.service.policy.version == 1:
                     break
                 await aio.sleep(0.05)
