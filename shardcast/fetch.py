@@ -722,6 +722,14 @@ class _Fetch:
 
     # ---- one shard
 
+    def _failure_of(self, exc: BaseException) -> _Failure:
+        """A client error of a ranged download (``_CLIENT_ERRORS``) as the failure it counts as."""
+        if isinstance(exc, TimeoutError):  # also aiohttp's ServerTimeoutError (connect or read)
+            return _Failure("timeout", f"{_describe(exc)} (read timeout {self.timeout.sock_read} s)")
+        if isinstance(exc, aiohttp.ClientPayloadError):
+            return _Failure("truncated", _describe(exc))
+        return _Failure(_kind_of(exc), _describe(exc), connection=_is_connection(exc))
+
     async def _download(
         self, relay: _Relay, manifest: Manifest, shard: ShardEntry, fd: int, counted: list[int]
     ) -> None:
@@ -738,14 +746,7 @@ class _Fetch:
                     raise _Failure("busy", f"answered {resp.status} for {shard.file}",
                                    retry_after=retry_after_s(resp.headers.get("Retry-After")))
                 if resp.status == 206:
-                    m = _CONTENT_RANGE.fullmatch(resp.headers.get("Content-Range", ""))
-                    if not m or (int(m.group(1)), int(m.group(2))) != (shard.offset, shard.end - 1):
-                        raise _Failure(
-                            "wrong-length",
-                            f"asked bytes {shard.offset}-{shard.end - 1}, got Content-Range "
-                            f"{resp.headers.get('Content-Range')!r}",
-                            bad=True,
-                        )
+                    _check_range(resp, shard.offset, shard.end, "bytes")
                 elif resp.status == 200:
                     if not (shard.offset == 0 and shard.size == entry.size):
                         raise _Failure("http-200", "relay ignored the Range header")
@@ -796,12 +797,8 @@ class _Fetch:
                         "hash-mismatch", f"sha256 {digest[:16]}… instead of {shard.sha256[:16]}…", bad=True
                     )
                 relay.record_success(shard.size, time.monotonic() - t0)
-        except TimeoutError as exc:  # also aiohttp's ServerTimeoutError (connect or read)
-            raise _Failure("timeout", f"{_describe(exc)} (read timeout {self.timeout.sock_read} s)") from exc
-        except aiohttp.ClientPayloadError as exc:
-            raise _Failure("truncated", _describe(exc)) from exc
-        except aiohttp.ClientError as exc:
-            raise _Failure(_kind_of(exc), _describe(exc), connection=_is_connection(exc)) from exc
+        except _CLIENT_ERRORS as exc:
+            raise self._failure_of(exc) from exc
         except OSError as exc:  # from our own writes
             raise_if_disk_full(exc, self.staging / shard.file)
             raise
@@ -824,10 +821,7 @@ class _Fetch:
                                    retry_after=retry_after_s(resp.headers.get("Retry-After")))
                 if resp.status != 206:
                     raise _Failure(f"http-{resp.status}", f"answered {resp.status} for a range of the delta")
-                m = _CONTENT_RANGE.fullmatch(resp.headers.get("Content-Range", ""))
-                if not m or (int(m.group(1)), int(m.group(2))) != (piece.offset, piece.end - 1):
-                    raise _Failure("wrong-length", f"asked delta bytes {piece.offset}-{piece.end - 1}, got "
-                                   f"Content-Range {resp.headers.get('Content-Range')!r}", bad=True)
+                _check_range(resp, piece.offset, piece.end, "delta bytes")
                 t0 = time.monotonic()
                 parts, size = [], 0
                 while chunk := await resp.content.read(CHUNK):
@@ -837,12 +831,8 @@ class _Fetch:
                     parts.append(chunk)
                 if size < piece.size:
                     raise _Failure("truncated", f"delta piece ended after {size} of {piece.size} bytes")
-        except TimeoutError as exc:
-            raise _Failure("timeout", f"{_describe(exc)} (read timeout {self.timeout.sock_read} s)") from exc
-        except aiohttp.ClientPayloadError as exc:
-            raise _Failure("truncated", _describe(exc)) from exc
-        except aiohttp.ClientError as exc:
-            raise _Failure(_kind_of(exc), _describe(exc), connection=_is_connection(exc)) from exc
+        except _CLIENT_ERRORS as exc:
+            raise self._failure_of(exc) from exc
         data = b"".join(parts)
         digest = hashlib.sha256(data).hexdigest()
         if digest != piece.sha256:
@@ -1472,6 +1462,17 @@ async def _read_capped(resp: aiohttp.ClientResponse, cap: int) -> bytes:
             raise _Failure("too-large", f"body longer than {cap} bytes")
         parts.append(chunk)
     return b"".join(parts)
+
+
+_CLIENT_ERRORS = (TimeoutError, aiohttp.ClientError)
+
+
+def _check_range(resp: aiohttp.ClientResponse, start: int, end: int, what: str) -> None:
+    """A 206 answer covers exactly bytes ``start..end-1``, or the relay is bad."""
+    m = _CONTENT_RANGE.fullmatch(resp.headers.get("Content-Range", ""))
+    if not m or (int(m.group(1)), int(m.group(2))) != (start, end - 1):
+        raise _Failure("wrong-length", f"asked {what} {start}-{end - 1}, got Content-Range "
+                       f"{resp.headers.get('Content-Range')!r}", bad=True)
 
 
 def _kind_of(exc: BaseException) -> str:

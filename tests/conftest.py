@@ -42,22 +42,12 @@ def smollm2_dir():
         pytest.skip(f"the real test model is not available: {exc}")
 
 
-def throwaway_pg_cluster():
-    """Start a throwaway PostgreSQL cluster (tests/pg_cluster.py), yield it, stop it; skip where none can run."""
-    from pg_cluster import Cluster, unavailable
-
-    why = unavailable()
-    if why is not None:
-        pytest.skip(why)
-    cluster = Cluster()
-    yield cluster
-    cluster.stop()
-
-
 @pytest.fixture(scope="session")
 def pg_cluster():
     """A throwaway PostgreSQL cluster for the session; skipped where none can run."""
-    yield from throwaway_pg_cluster()
+    from pg_cluster import throwaway_cluster
+
+    yield from throwaway_cluster()
 
 
 @pytest.fixture()

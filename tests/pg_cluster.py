@@ -89,3 +89,15 @@ class Cluster:
             pass  # a test stopped the server and failed before it started it again
         finally:
             shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def throwaway_cluster():
+    """Start a throwaway cluster, yield it, stop it (a fixture's body); skip the test where none can run."""
+    import pytest
+
+    why = unavailable()
+    if why is not None:
+        pytest.skip(why)
+    cluster = Cluster()
+    yield cluster
+    cluster.stop()

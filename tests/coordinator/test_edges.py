@@ -57,6 +57,11 @@ def wait_http(port: int, proc: subprocess.Popen, log: Path) -> None:
     raise AssertionError(f"no /healthz on {port}:\n{log.read_text()[-3000:]}")
 
 
+def edge_ports() -> tuple[int, dict[str, int]]:
+    """A free gRPC port for the edges to share, and a free HTTP port for each process."""
+    return free_port(), {"edge-a": free_port(), "edge-b": free_port(), "trainer": free_port()}
+
+
 def start_edges_and_trainer(base: Path, logs: Path, grpc_port: int, http: dict[str, int],
                             procs: dict[str, subprocess.Popen]) -> None:
     """Edges 'edge-a' and 'edge-b' on one gRPC port and a trainer, each a real process (added to ``procs``
@@ -93,8 +98,7 @@ def test_two_edges_and_a_trainer_share_one_postgres_store(pg_url, tmp_path):
     base = make_coordinator_dir(tmp_path, {"database": pg_url, "trainer.enabled": True, "trainer.min_groups": 4,
                                            "trainer.groups_per_step": 4, "trainer.lr": 1e-3,
                                            "leases.probation_max_open": 4, "leases.max_open_per_node": 4})
-    grpc_port = free_port()
-    http = {"edge-a": free_port(), "edge-b": free_port(), "trainer": free_port()}
+    grpc_port, http = edge_ports()
     procs = {}
     try:
         start_edges_and_trainer(base, tmp_path, grpc_port, http, procs)

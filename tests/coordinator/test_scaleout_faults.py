@@ -19,9 +19,17 @@ import urllib.request
 
 import grpc
 import pytest
-from conftest import throwaway_pg_cluster
+from pg_cluster import throwaway_cluster
 from support import make_coordinator_dir
-from test_edges import free_port, requests_served, start, start_edges_and_trainer, stop_all, wait_http
+from test_edges import (
+    edge_ports,
+    free_port,
+    requests_served,
+    start,
+    start_edges_and_trainer,
+    stop_all,
+    wait_http,
+)
 from test_server import shaped_group
 
 from veriroll.coordinator import store as st
@@ -37,7 +45,7 @@ CONNECTION_LOST = {"unavailable", "cancelled", "unknown", "deadline_exceeded"}  
 @pytest.fixture(scope="module")
 def faulty_pg():
     """A PostgreSQL cluster these tests may stop and restart without disturbing the session's."""
-    yield from throwaway_pg_cluster()
+    yield from throwaway_cluster()
 
 
 def results_by_reason(http_port: int) -> dict[str, float]:
@@ -217,8 +225,7 @@ def test_killing_one_edge_under_load_loses_no_group_and_trains_none_twice(faulty
     base = make_coordinator_dir(tmp_path, {"database": url, "trainer.enabled": True, "trainer.min_groups": 4,
                                            "trainer.groups_per_step": 4, "trainer.lr": 1e-3,
                                            "leases.probation_max_open": 8, "leases.max_open_per_node": 8})
-    grpc_port = free_port()
-    http = {"edge-a": free_port(), "edge-b": free_port(), "trainer": free_port()}
+    grpc_port, http = edge_ports()
     procs = {}
     try:
         start_edges_and_trainer(base, tmp_path, grpc_port, http, procs)

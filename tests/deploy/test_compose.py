@@ -93,13 +93,17 @@ def test_nodes_and_relays_read_only_what_coordinator_public_copies_out():
         assert not any(v.startswith("coordinator-data:") for v in SERVICES[name]["volumes"]), name
 
 
-def test_compose_init_and_run_settings_make_a_valid_coordinator(tmp_path):
-    init = SERVICES["coordinator-init"]["command"]
-    coord_dir = tmp_path / "coordinator"
-    argv = [str(coord_dir) if a == compose.COORD_DIR else a for a in init]
+def run_init(command: list[str], coord_dir: Path) -> Path:
+    """Run a compose file's coordinator-init command here, with ``coord_dir`` for the container's directory."""
+    argv = [str(coord_dir) if a == compose.COORD_DIR else a for a in command]
     out = subprocess.run([str(Path(sys.executable).parent / "veriroll"), *argv[1:]], capture_output=True, text=True,
                          env=dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1"), check=False)
     assert out.returncode == 0, out.stderr[-2000:]
+    return coord_dir
+
+
+def test_compose_init_and_run_settings_make_a_valid_coordinator(tmp_path):
+    coord_dir = run_init(SERVICES["coordinator-init"]["command"], tmp_path / "coordinator")
     # What coordinator-public copies out exists where it looks.
     assert all((coord_dir / Path(src).relative_to(compose.COORD_DIR)).is_file()
                for src in SERVICES["coordinator-public"]["command"][1:-1])

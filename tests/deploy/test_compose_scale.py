@@ -3,14 +3,11 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
 from urllib.parse import urlsplit
 
 import pytest
 import yaml
+from test_compose import run_init
 
 from veriroll.cli.main import build_parser
 from veriroll.coordinator import store as st
@@ -108,12 +105,7 @@ def test_the_trainer_serves_the_origin_relay_the_chain_starts_from():
 
 
 def test_init_and_every_role_make_a_valid_coordinator(tmp_path):
-    init = SERVICES["coordinator-init"]["command"]
-    coord_dir = tmp_path / "coordinator"
-    argv = [str(coord_dir) if a == compose.COORD_DIR else a for a in init]
-    out = subprocess.run([str(Path(sys.executable).parent / "veriroll"), *argv[1:]], capture_output=True, text=True,
-                         env=dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1"), check=False)
-    assert out.returncode == 0, out.stderr[-2000:]
+    coord_dir = run_init(SERVICES["coordinator-init"]["command"], tmp_path / "coordinator")
     for name, role in ROLES.items():
         command = SERVICES[name]["command"]
         overrides = [f"{k}={v}" for k, v in sets(command).items() if k != "identity.exempt_networks"]

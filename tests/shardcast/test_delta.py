@@ -350,6 +350,19 @@ def test_a_relay_that_alters_delta_pieces_is_reported_and_the_honest_one_used(ve
     assert result.bad_relay_urls == {result.bad_relays[0].relay} and "delta piece" in result.bad_relays[0].detail
 
 
+async def version_2_from_a_liar(store, coord_key, tmp_path, on_file):
+    """Version 1 fetched whole from an honest relay into ``base``; then version 2, with ``base`` as its base,
+    from a relay that alters what ``on_file`` alters."""
+    async with RelayServer(store, coord_key.public, port=0) as honest:
+        await fetch_version([honest.url], coord_key.public, tmp_path / "base", 1, **FAST)
+    liar = FakeRelay(store, on_file=on_file)
+    await liar.start()
+    try:
+        return await fetch_version([liar.url], coord_key.public, tmp_path / "out", 2, bases=[tmp_path / "base"], **FAST)
+    finally:
+        await liar.stop()
+
+
 def test_when_only_a_lying_relay_has_the_delta_the_shards_come_whole(versions, coord_key, tmp_path):
     store, _, c2 = versions
 
@@ -357,16 +370,7 @@ def test_when_only_a_lying_relay_has_the_delta_the_shards_come_whole(versions, c
         return bytes([data[0] ^ 1]) + data[1:] if name == DELTA_NAME else data
 
     async def go():
-        async with RelayServer(store, coord_key.public, port=0) as honest:
-            await fetch_version([honest.url], coord_key.public, tmp_path / "base", 1, **FAST)
-        liar = FakeRelay(store, on_file=flip)
-        await liar.start()
-        try:
-            return await fetch_version(
-                [liar.url], coord_key.public, tmp_path / "out", 2, bases=[tmp_path / "base"], **FAST
-            )
-        finally:
-            await liar.stop()
+        return await version_2_from_a_liar(store, coord_key, tmp_path, flip)
 
     result = run(go())
     assert same_tree(c2, tmp_path / "out")
@@ -381,16 +385,7 @@ def test_nothing_is_installed_when_neither_the_delta_nor_the_shards_can_be_had(v
         return bytes([data[0] ^ 1]) + data[1:] if name in (DELTA_NAME, "model.safetensors") else data
 
     async def go():
-        async with RelayServer(store, coord_key.public, port=0) as honest:
-            await fetch_version([honest.url], coord_key.public, tmp_path / "base", 1, **FAST)
-        liar = FakeRelay(store, on_file=flip_weights)
-        await liar.start()
-        try:
-            return await fetch_version(
-                [liar.url], coord_key.public, tmp_path / "out", 2, bases=[tmp_path / "base"], **FAST
-            )
-        finally:
-            await liar.stop()
+        return await version_2_from_a_liar(store, coord_key, tmp_path, flip_weights)
 
     with pytest.raises(ShardUnavailableError):
         run(go())
