@@ -126,6 +126,9 @@ class VerdictWaiter:
             job_ids = list(self._waiting)
             try:
                 verdicts = await self.db.run_read(lambda conn, ids=job_ids: st.verify_verdicts(conn, ids))
+            except st.StoreUnavailable as exc:
+                log.warning("reading verdicts: the store is unavailable (%s)", exc)
+                verdicts = {}
             except st.DB_ERRORS:
                 log.exception("reading verdicts failed; retrying")  # waiters run into wait_s meanwhile
                 verdicts = {}
@@ -173,6 +176,9 @@ class VerifierPool:
         while True:
             try:
                 claimed = await self.claim(worker)
+            except st.StoreUnavailable as exc:  # PostgreSQL restarting: a line, not a traceback per poll
+                log.warning("claiming a verification job: the store is unavailable (%s)", exc)
+                claimed = None
             except st.DB_ERRORS:
                 log.exception("claiming a verification job failed; retrying")
                 claimed = None
