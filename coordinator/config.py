@@ -117,6 +117,9 @@ class EnvironmentConfig(_Section):
     reward_timeout_s: float = Field(5.0, gt=0, description="time limit per sample for the reward functions; over it the "
                                                            "sample gets reward 0 and a counted reward error")
     reward_workers: int = Field(1, ge=1, description="worker processes that run the reward functions")
+    inline_bounded_rewards: bool = Field(True, description="score a rubric whose every function is declared bounded "
+                                                           "(linear, cannot block: the built-in exact match) on the "
+                                                           "coordinator's loop instead of in a worker process")
 
 
 class IdentityConfig(_Section):

@@ -56,11 +56,18 @@ class Prompt:
 
 @dataclass(frozen=True)
 class RewardFunction:
-    """One scored criterion of a rubric: ``fn(prompt, completion) -> float`` in [0, 1], with a weight."""
+    """One scored criterion of a rubric: ``fn(prompt, completion) -> float`` in [0, 1], with a weight.
+
+    ``bounded``: ``fn`` costs time linear in the completion's length and cannot block or hang (no I/O, no
+    regex that can backtrack, no solver): only then may the coordinator run it on its own event loop
+    instead of in a reward worker process (coordinator/rewards.py), which saves a process round trip per
+    group. Leave it False for anything else; a bounded function that raises still scores its sample 0.
+    """
 
     fn: Callable[[Prompt, str], float]
     weight: float = 1.0
     name: str = ""
+    bounded: bool = False
 
     def __post_init__(self) -> None:
         if self.weight < 0:
@@ -80,6 +87,11 @@ class Rubric:
         if sum(f.weight for f in functions) <= 0:
             raise ValueError("a rubric needs a positive total weight")
         self.functions = list(functions)
+
+    @property
+    def bounded(self) -> bool:
+        """True when every function is :attr:`RewardFunction.bounded`: the rubric may run in the coordinator."""
+        return all(f.bounded for f in self.functions)
 
     def scores(self, prompt: Prompt, completion: str) -> dict[str, float]:
         """Each reward function's raw score, by label (for per-criterion diagnostics)."""
@@ -177,7 +189,7 @@ class ArithmeticEnvironment(Environment):
         # The sum has at most max_digits + 1 digits; leave a few tokens for the model to stop.
         super().__init__(
             name,
-            Rubric([RewardFunction(exact_match, 1.0, "exact_match")]),
+            Rubric([RewardFunction(exact_match, 1.0, "exact_match", bounded=True)]),
             alphabet="0123456789+=",
             max_new_tokens=max_digits + 3,
         )

@@ -382,9 +382,16 @@ class Intake:
 
     def completions(self, sub: Submission) -> list[str]:
         """Each sample's text as the rubric sees it: decoded without stop tokens or special tokens."""
-        # A set lookup per token: for a few dozen tokens, np.isin costs ~5x more (its setup dominates).
         stop = self._stop_ids
-        return [self.codec.decode([t for t in np.asarray(s.token_ids).tolist() if t not in stop]) for s in sub.samples]
+        texts = []
+        for s in sub.samples:
+            ids = np.asarray(s.token_ids).tolist()
+            if ids and ids[-1] in stop:  # the one place check_shape lets a stop token be
+                ids.pop()
+            if not stop.isdisjoint(ids):  # (a group that skipped check_shape: a tool re-scoring stored rows)
+                ids = [t for t in ids if t not in stop]
+            texts.append(self.codec.decode(ids))
+        return texts
 
     def _counted(self, prompt: dict, result) -> list[float]:
         for kind in result.errors:

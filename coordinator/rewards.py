@@ -19,6 +19,11 @@ gives its sample reward 0 and an ``exception`` error; a non-finite or non-numeri
 ``invalid`` error; a worker that dies mid-group (a segfault, ``os._exit``) is a ``crash``. Every error
 is counted by kind (:attr:`RewardRunner.errors`) and returned with the group, so the coordinator can
 export and log it; the group itself is scored and accepted as usual.
+
+The one exception: a rubric whose every function is declared ``bounded`` (linear in the completion,
+cannot block: the built-in exact match) is scored in the caller's thread when the runner is given the
+loaded environment (``inline``); a process round trip would cost the coordinator more than the rubric.
+Its errors are counted the same way; a time limit does not apply, as nothing bounded needs one.
 """
 
 from __future__ import annotations
@@ -170,12 +175,17 @@ class RewardRunner:
     """
 
     def __init__(self, spec: str, kwargs: dict | None = None, *, timeout_s: float = 5.0, workers: int = 1,
-                 start_timeout_s: float = 300.0):
+                 start_timeout_s: float = 300.0, inline=None):
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be positive, got {timeout_s}")
         if workers < 1:
             raise ValueError(f"workers must be >= 1, got {workers}")
         self.spec, self.kwargs = spec, dict(kwargs or {})
+        if inline is not None and not inline.rubric.bounded:
+            raise ValueError(f"environment {inline.name!r} has reward functions not declared bounded: "
+                             f"they run in worker processes, with a time limit")
+        self.inline = inline
+        """The loaded environment whose bounded rubric is scored in the caller's thread, or None."""
         self.timeout_s, self.start_timeout_s = float(timeout_s), float(start_timeout_s)
         # spawn, not fork: the coordinator has threads (gRPC, SQLite, this pool), and forking a
         # process with threads can copy a held lock into the child.
@@ -211,6 +221,8 @@ class RewardRunner:
         out = GroupRewards(rewards=[0.0] * n, errors=[None] * n)
         if n == 0:
             return out
+        if self.inline is not None:
+            return self._score_inline(prompt, completions, out)
         worker = self._slots.get()
         try:
             next_index = 0
@@ -274,6 +286,8 @@ class RewardRunner:
         out = GroupRewards(rewards=[0.0] * n, errors=[None] * n)
         if n == 0:
             return out
+        if self.inline is not None:
+            return self._score_inline(prompt, completions, out)
         loop = asyncio.get_running_loop()
         if self._gate_loop is not loop:  # one gate per event loop (tests run one loop after another)
             self._gate, self._gate_loop = asyncio.Semaphore(self._workers), loop
@@ -389,6 +403,18 @@ class RewardRunner:
                 detail = (details or {}).get(i, "")
                 RewardRunner._record(out, i, kind, detail)
         return first + count
+
+    def _score_inline(self, prompt: Prompt, completions: list[str], out: GroupRewards) -> GroupRewards:
+        for i, completion in enumerate(completions):
+            value, kind, detail = _score_one(self.inline, prompt, completion)
+            if kind:
+                self._record(out, i, _KINDS[kind], detail)
+            else:
+                out.rewards[i] = value
+        if any(out.errors):
+            with self._lock:
+                self.errors.update(kind for kind in out.errors if kind is not None)
+        return out
 
     @staticmethod
     def _record(out: GroupRewards, index: int, kind: str, detail: str) -> None:

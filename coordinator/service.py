@@ -95,8 +95,9 @@ class CoordinatorService:
         self.renderer = PromptRenderer(tokenizer, system_prompt=ec.system_prompt, chat_template=ec.chat_template,
                                        encode_text=self.codec.encode)
         self.stop_token_ids = self.renderer.stop_token_ids(list(stop_token_ids))
+        inline = ec.inline_bounded_rewards and getattr(getattr(environment, "rubric", None), "bounded", False)
         self.rewards = rewards or RewardRunner(ec.name, ec.kwargs, timeout_s=ec.reward_timeout_s,
-                                               workers=ec.reward_workers)
+                                               workers=ec.reward_workers, inline=environment if inline else None)
         self.ledger = Ledger(db, self.metrics, now, max_strikes=cfg.intake.max_strikes,
                              probation_groups=cfg.intake.probation_groups, session_ttl_s=cfg.identity.session_ttl_s)
         # With a PostgreSQL store, other edge processes may share it: nonces go where all of them see them.

@@ -66,15 +66,32 @@ def unbounded_fields(descriptor, seen: set | None = None) -> list[str]:
 def field_problem(message) -> str | None:
     """The first field of ``message`` over its bound, said in words; None when every field is within."""
     name = message.DESCRIPTOR.name
-    for field, value in message.ListFields():
-        limit = LIMITS.get((name, field.name))
+    for field_name, limit, unit, is_repeated, has_message in _plan(message.DESCRIPTOR):
+        value = getattr(message, field_name)
         if limit is not None and len(value) > limit:
-            unit = "entries" if field.is_repeated else (
-                "characters" if field.type == FieldDescriptor.TYPE_STRING else "bytes")
-            return f"{name}.{field.name} has {len(value)} {unit}, at most {limit} are accepted"
-        if field.message_type is not None:
-            for item in value if field.is_repeated else (value,):
+            return f"{name}.{field_name} has {len(value)} {unit}, at most {limit} are accepted"
+        if has_message:
+            for item in value if is_repeated else (value,):
                 problem = field_problem(item)
                 if problem is not None:
                     return problem
     return None
+
+
+_PLANS: dict[str, tuple] = {}
+
+
+def _plan(descriptor) -> tuple:
+    """The fields of ``descriptor`` that :func:`field_problem` looks at, worked out once per message type:
+    (name, limit or None, unit, repeated, holds messages). Every request passes here, so the descriptor is
+    not walked per call."""
+    plan = _PLANS.get(descriptor.full_name)
+    if plan is None:
+        plan = tuple(
+            (f.name, LIMITS.get((descriptor.name, f.name)),
+             "entries" if f.is_repeated else ("characters" if f.type == FieldDescriptor.TYPE_STRING else "bytes"),
+             f.is_repeated, f.message_type is not None)
+            for f in descriptor.fields
+            if (descriptor.name, f.name) in LIMITS or f.message_type is not None)
+        _PLANS[descriptor.full_name] = plan
+    return plan

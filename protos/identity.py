@@ -114,6 +114,12 @@ def public_key_problem(raw: bytes) -> str | None:
     return _public_key_problem(raw)
 
 
+@functools.lru_cache(maxsize=16384)
+def _verifying_key(raw: bytes) -> Ed25519PublicKey:
+    """The parsed key, per key bytes: a node signs every request with the same key."""
+    return Ed25519PublicKey.from_public_bytes(raw)
+
+
 def check_public_key(raw: bytes) -> bytes:
     """``raw`` as bytes when it is an acceptable public key; raises :class:`InvalidPublicKey` otherwise."""
     raw = bytes(raw)
@@ -149,7 +155,7 @@ class PublicKey:
         if len(signature) != SIGNATURE_BYTES or public_key_problem(self.raw) is not None:
             return False
         try:
-            Ed25519PublicKey.from_public_bytes(self.raw).verify(signature, message)
+            _verifying_key(self.raw).verify(signature, message)
         except (InvalidSignature, ValueError):
             return False
         return True

@@ -238,3 +238,89 @@ def test_many_groups_waiting_for_a_hung_worker_do_not_block_its_replacement(flak
         assert all(out.rewards == [0.5] for out in rest) and runner.restarts == 1
     finally:
         runner.close()
+
+
+# --- bounded rubrics scored in the coordinator's own process -------------------------------------------
+
+
+def _bounded_env(reward):
+    from veriroll.coordinator.environments import Environment, RewardFunction, Rubric
+
+    return Environment("bounded", Rubric([RewardFunction(reward, bounded=True)]), alphabet="0123456789+=",
+                       max_new_tokens=4, prompt_fn=lambda rng: PROMPT)
+
+
+@pytest.mark.parametrize("api", ["blocking", "async"])
+def test_a_bounded_rubric_scores_inline_without_a_worker_and_counts_its_errors(api):
+    def reward(prompt, completion):
+        if completion == "3":
+            raise RuntimeError("reward function bug")
+        if completion == "5":
+            return float("nan")
+        return float(completion == prompt.answer)
+
+    runner = RewardRunner("bounded-not-importable:make", inline=_bounded_env(reward))
+    try:
+        out = scored(runner, api, PROMPT, ["2", "3", "5", "1"])
+        assert out.rewards == [1.0, 0.0, 0.0, 0.0]
+        assert out.errors == [None, "exception", "invalid", None]
+        assert runner.errors == {"exception": 1, "invalid": 1}
+        assert not runner._live  # no worker process was started (the spec could not even load in one)
+    finally:
+        runner.close()
+
+
+def test_a_rubric_with_an_unbounded_function_is_refused_inline():
+    from veriroll.coordinator.environments import Environment, RewardFunction, Rubric, exact_match
+
+    env = Environment("mixed", Rubric([RewardFunction(exact_match, bounded=True), RewardFunction(lambda p, c: 1.0)]),
+                      alphabet="0123456789", max_new_tokens=4, prompt_fn=lambda rng: PROMPT)
+    assert not env.rubric.bounded
+    with pytest.raises(ValueError, match="not declared bounded"):
+        RewardRunner("mixed", inline=env)
+
+
+@pytest.mark.parametrize("inline", [True, False])
+def test_the_coordinator_scores_arithmetic_inline_unless_configured_not_to(tmp_path, inline):
+    base = make_coordinator_dir(tmp_path, {"environment.inline_bounded_rewards": inline})
+
+    async def scenario():
+        async with running_coordinator(base) as coord, node_client(coord) as stub:
+            svc = coord.service
+            assert (svc.rewards.inline is not None) == inline
+            lease = (await stub.lease_work(pb.LeaseRequest(max_leases=1, loaded_version=-1))).leases[0]
+            prompt = svc.tokenizer.decode(list(lease.prompt_ids), skip_special_tokens=True)
+            a, b = prompt.rstrip("=").split("+")
+            right = svc.tokenizer.convert_tokens_to_ids(list(str(int(a) + int(b))))
+            wrong = svc.tokenizer.convert_tokens_to_ids(list(str(int(a) + int(b) + 1)))
+            stop = list(lease.stop_token_ids)[:1]
+            samples = [pb.Sample(token_ids=ids, logprobs=np.full(len(ids), -1.0, dtype="<f4").tobytes(), proof=b"p" * 16,
+                                 finish_reason="stop") for ids in [right + stop, wrong + stop] * (lease.group_size // 2)]
+            ok = await stub.submit_group(pb.SubmitGroupRequest(lease_id=lease.lease_id,
+                                                               policy_version=lease.policy_version, samples=samples))
+            assert ok.accepted and list(ok.rewards) == [1.0, 0.0] * (lease.group_size // 2)
+            assert bool(svc.rewards._live) != inline  # a worker process scored it only when not inline
+
+    asyncio.run(scenario())
+
+
+def test_completions_drop_the_final_stop_token_and_any_other_a_stored_group_holds(tmp_path):
+    from veriroll.coordinator.intake import Submission, SubmittedSample
+
+    base = make_coordinator_dir(tmp_path)
+
+    async def scenario():
+        async with running_coordinator(base) as coord:
+            svc = coord.service
+            digits = svc.tokenizer.convert_tokens_to_ids(list("12"))
+            # A stop token that decodes to text ("9"): the tokenizer's own EOS would vanish as a special token.
+            stop = svc.tokenizer.convert_tokens_to_ids("9")
+            svc.intake._stop_ids = frozenset({stop})
+
+            def sample(ids):
+                return SubmittedSample(np.asarray(ids), np.zeros(len(ids), "<f4"), b"", "stop")
+
+            sub = Submission("x", 0, [sample(digits + [stop]), sample([digits[0], stop, digits[1]]), sample(digits)])
+            assert svc.intake.completions(sub) == ["12", "12", "12"]
+
+    asyncio.run(scenario())
