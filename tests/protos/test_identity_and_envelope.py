@@ -213,3 +213,19 @@ def test_key_check_is_cached_per_key_bytes(monkeypatch):
         PublicKey(good)
     assert calls == [good, weak]
     identity.public_key_problem.cache_clear()
+
+
+def test_verify_accepts_a_signature_and_refuses_every_malleation():
+    key = PrivateKey.generate()
+    message = b"veriroll/v1/request\nSubmitGroup"
+    sig = key.sign(message)
+    assert key.public.verify(sig, message)
+    assert not key.public.verify(sig, message + b"x")
+    assert not key.public.verify(bytes([sig[0] ^ 1]) + sig[1:], message)
+    assert not key.public.verify(sig[:-1], message) and not key.public.verify(sig + b"\0", message)
+    assert not PrivateKey.generate().public.verify(sig, message)
+    # S + L is the same scalar mod L: a second valid-looking encoding of the same signature (malleability).
+    order = 2**252 + 27742317777372353535851937790883648493
+    s = int.from_bytes(sig[32:], "little") + order
+    assert s < 2**256
+    assert not key.public.verify(sig[:32] + s.to_bytes(32, "little"), message)
