@@ -388,7 +388,7 @@ def render(w: Workload, p: dict, costs: dict[str, UnitCost], machine: Machine | 
         host = "a core per edge"
     else:
         shared = ", ".join([*machine.colocated, *(["other load"] if machine.colocated_cpu_s_per_group else [])])
-        host = (f"{machine.cores:g} cores shared with {shared or 'nothing else'}, "
+        host = (f"{machine.cores:g} core{'' if machine.cores == 1 else 's'} shared with {shared or 'nothing else'}, "
                 f"{p['host_cpu_s_per_group'] * 1000:.1f} ms CPU per group: {p['groups_per_s_host']:.1f}/s")
     verifier = "" if p["groups_per_s_verifier"] is None else f", verifiers {p['groups_per_s_verifier']:.1f}/s"
     lines = [
