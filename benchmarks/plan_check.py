@@ -29,7 +29,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve()
 sys.path.insert(0, str(HERE.parent))
 
-from scale import deployment_plan, fixed_costs, run_scale  # noqa: E402  (benchmarks/ is not a package: imported by path)
+from scale import cores_left, deployment_plan, fixed_costs, run_scale  # noqa: E402  (benchmarks/ is not a package: imported by path)
 
 
 def main() -> int:
@@ -56,7 +56,7 @@ def main() -> int:
         for n in [int(x) for x in args.scales.split(",") if x.strip()]:
             s = run_scale(n, args, root)
             measured = s["submissions_per_s"]
-            planned = deployment_plan(s, args, 1, commit_ms) if measured else None
+            planned = deployment_plan(s, args, 1, commit_ms, cores=cores_left(s)) if measured else None
             predicted = planned["predicted_groups_per_s"] if planned else 0.0
             error = (predicted - measured) / measured if measured else None
             points.append({"nodes": n, "predicted_groups_per_s": round(predicted, 1),

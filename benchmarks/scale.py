@@ -642,13 +642,12 @@ def run_costs(s: dict, args, commit_ms: float) -> dict:
     return costs
 
 
-def deployment_plan(s: dict, args, edges: int, commit_ms: float, *, shared: bool = True) -> dict:
+def deployment_plan(s: dict, args, edges: int, commit_ms: float, *, cores: float | None) -> dict:
     """The planner's figures for run ``s``'s deployment, from the unit costs that run measured.
 
-    ``shared``: this machine's model, ``os.cpu_count()`` cores less what other processes took during the
-    window, shared by the edges, PostgreSQL (when it is the store) and the simulated nodes' client
-    processes (a co-located load at their CPU per group). Otherwise a dedicated deployment: a core per
-    edge, nothing else on it.
+    With ``cores``: this machine's model, that many cores shared by the edges, PostgreSQL (when it is the
+    store) and the simulated nodes' client processes (a co-located load at their CPU per group). With
+    None: a dedicated deployment, a core per edge and nothing else on it.
     """
     from veriroll.coordinator.plan import Machine, Workload, plan
 
@@ -657,11 +656,30 @@ def deployment_plan(s: dict, args, edges: int, commit_ms: float, *, shared: bool
                  audit_fraction=0.0, prompt_tokens=0, node_tokens_per_s=args.group_size * args.tokens / mean_think,
                  heartbeat_s=args.heartbeat_s)
     machine = Machine(edges=edges)
-    if shared:
-        machine = Machine(edges=edges, cores=os.cpu_count() - s["other_cores"],
+    if cores is not None:
+        machine = Machine(edges=edges, cores=cores,
                           colocated=("store",) if s["deployment"]["store"] == "postgresql" else (),
                           colocated_cpu_s_per_group=s["client_cpu_cores"] / s["submissions_per_s"])
     return plan(w, run_costs(s, args, commit_ms), machine)
+
+
+def cores_left(s: dict) -> float:
+    """This machine's cores less what other processes took during run ``s``'s window."""
+    return os.cpu_count() - s["other_cores"]
+
+
+def predicted_from(source: dict, target: dict, args, edges: int, commit_ms: float) -> dict:
+    """The planner on run ``target``'s deployment from the unit costs run ``source`` measured: out of sample.
+
+    The fleet (``target``'s nodes, ``args``' think time) and the cores other tenants left it are the
+    target's conditions; the CPU per group of the edges, clients and PostgreSQL are the source's. (The
+    edges' cost per group carries the source's heartbeats per group.)
+    """
+    conditions = dict(source, nodes=target["nodes"], other_cores=target["other_cores"])
+    planned = deployment_plan(conditions, args, edges, commit_ms, cores=cores_left(target))["predicted_groups_per_s"]
+    measured = target["submissions_per_s"]
+    return {"predicted_groups_per_s": round(planned, 1),
+            "predicted_ratio": round(planned / measured, 2) if measured else None}
 
 
 def deployment_figures(s: dict, args, edges: int, commit_ms: float) -> dict:
@@ -687,17 +705,20 @@ def deployment_figures(s: dict, args, edges: int, commit_ms: float) -> dict:
     }
     if not accepted:
         return figures | {"predicted_groups_per_s": None, "predicted_ratio": None, "bottleneck": None}
-    shared = deployment_plan(s, args, edges, commit_ms)
-    dedicated = deployment_plan(s, args, edges, commit_ms, shared=False)
+    shared = deployment_plan(s, args, edges, commit_ms, cores=cores_left(s))
+    idle = deployment_plan(s, args, edges, commit_ms, cores=os.cpu_count())
+    dedicated = deployment_plan(s, args, edges, commit_ms, cores=None)
     return figures | {
         "predicted_groups_per_s": round(shared["predicted_groups_per_s"], 1),
         "predicted_ratio": round(shared["predicted_groups_per_s"] / accepted, 2),
         "bottleneck": shared["bottleneck"],
-        "predicted_edges_groups_per_s": round(shared["groups_per_s_edges"], 1),
-        # What this machine's cores hold, the deployment and its clients on them, other tenants' share left out.
-        "machine_bound_groups_per_s": round(shared["groups_per_s_host"], 1),
         "cores_for_deployment": round(shared["host_cores"], 2),
-        # The same unit costs with a core per edge and nothing else on it: what the old model predicted.
+        "predicted_edges_groups_per_s": round(shared["groups_per_s_edges"], 1),
+        # What the cores left to the deployment hold, its clients on them too.
+        "machine_bound_groups_per_s": round(shared["groups_per_s_host"], 1),
+        # The same, were nothing else running on this machine.
+        "predicted_idle_machine_groups_per_s": round(idle["predicted_groups_per_s"], 1),
+        # The same unit costs with a core per edge and nothing else on it: the planner before its machine model.
         "predicted_dedicated_groups_per_s": round(dedicated["predicted_groups_per_s"], 1),
     }
 
@@ -731,12 +752,18 @@ def scale_out(args, root: Path, commit_ms: float) -> dict:
                                            edges=edges, store_pid=pid, label=f"postgres-{edges}")
             runs[f"postgres_{edges}_edge{'s' if edges > 1 else ''}"] = deployment_figures(
                 on_postgres[edges], fleet, edges, commit_ms)
-        s = run_scale(args.fleet_nodes, args, root, database=cluster.new_database(), edges=2, store_pid=pid,
-                      label=f"fleet-{args.fleet_nodes}")
-        fleet_run = deployment_figures(s, args, 2, commit_ms)
+        at_fleet = run_scale(args.fleet_nodes, args, root, database=cluster.new_database(), edges=2, store_pid=pid,
+                             label=f"fleet-{args.fleet_nodes}")
+        fleet_run = deployment_figures(at_fleet, args, 2, commit_ms)
     finally:
         cluster.stop()
     one, two = runs["postgres_1_edge"], runs["postgres_2_edges"]
+    if on_postgres[1]["submissions_per_s"]:
+        two["out_of_sample"] = {"from": "postgres_1_edge", **predicted_from(on_postgres[1], on_postgres[2], fleet, 2,
+                                                                           commit_ms)}
+    if on_postgres[2]["submissions_per_s"]:
+        fleet_run["out_of_sample"] = {"from": "postgres_2_edges", **predicted_from(on_postgres[2], at_fleet, args,
+                                                                                   2, commit_ms)}
     return {
         "runs": runs,
         "edge_scaling": round(two["groups_per_s"] / one["groups_per_s"], 2) if one["groups_per_s"] else None,
@@ -746,16 +773,17 @@ def scale_out(args, root: Path, commit_ms: float) -> dict:
 
 
 def edge_scaling_cpu_bound(s: dict, args, commit_ms: float) -> float | None:
-    """The most a second edge can gain on this machine, from two-edge run ``s``'s CPU per group.
+    """The most a second edge can gain on this machine, were it otherwise idle, from two-edge run ``s``.
 
     The planner's capacity of one and of two edges, the fleet's own rate left out: an edge holds at
     most a core's worth of groups, unless the cores the clients and PostgreSQL share run out first.
+    (Other tenants are left out: their share differs from one run to the next.)
     """
     if not s["submissions_per_s"]:
         return None
 
     def capacity(edges: int) -> float:
-        p = deployment_plan(s, args, edges, commit_ms)
+        p = deployment_plan(s, args, edges, commit_ms, cores=os.cpu_count())
         return min(p["groups_per_s_edges"], p["groups_per_s_host"], p["groups_per_s_store"])
 
     return round(capacity(2) / capacity(1), 2)
@@ -824,12 +852,17 @@ def main() -> int:
             if run:
                 print(f"{name}: {run['nodes']} nodes, measured {run['groups_per_s']:.1f} groups/s, predicted "
                       f"{run['predicted_groups_per_s']} (x{run['predicted_ratio']}, {run['bottleneck']}; edges "
-                      f"{run.get('predicted_edges_groups_per_s')}, this machine's CPU "
-                      f"{run.get('machine_bound_groups_per_s')}; a core per edge "
+                      f"{run.get('predicted_edges_groups_per_s')}, {run.get('cores_for_deployment')} cores "
+                      f"{run.get('machine_bound_groups_per_s')}; machine idle "
+                      f"{run.get('predicted_idle_machine_groups_per_s')}, a core per edge "
                       f"{run.get('predicted_dedicated_groups_per_s')}), {run['held_fraction']:.0%} of offered, "
                       f"submit p99 {run['submit_p99_ms']} ms | cores: edges {run['edge_cores']}, clients "
                       f"{run['client_cores']}, store {run['store_cores']}, other {run['other_cores']} | "
                       f"load {run['load_avg']}", flush=True)
+                if "out_of_sample" in run:
+                    o = run["out_of_sample"]
+                    print(f"  from the unit costs of {o['from']}: predicted {o['predicted_groups_per_s']} "
+                          f"(x{o['predicted_ratio']})", flush=True)
         print(f"edge_scaling {out.get('edge_scaling')} (this machine's CPU allows at most "
               f"{out.get('edge_scaling_cpu_bound')})", flush=True)
         intake = child_figures("intake.py", args.quick, ("ratio", "intake_groups_per_s", "echo_per_s"))

@@ -324,14 +324,23 @@ def test_the_scale_benchmark_predicts_from_the_unit_costs_of_its_own_run(monkeyp
     # 600 nodes at 1 s: 600 groups/s offered; the run held 200 on PostgreSQL with 2 edges at 1.0 cores
     # (5 ms per group), clients 0.3 cores (1.5 ms), PostgreSQL 0.3 (1.5 ms), other tenants 0.4 cores.
     run = {"nodes": 600, "submissions_per_s": 200.0, "client_cpu_cores": 0.3, "other_cores": 0.4,
-           "coordinator": {"cpu_ms_per_group": 5.0},
+           "coordinator": {"cpu_ms_per_group": 5.0, "cpu_cores": 1.0, "main_thread_cores": 0.6},
            "deployment": {"store": "postgresql", "roles": ["edge", "edge"], "store_cores": 0.3}}
-    p = scale.deployment_plan(run, args, 2, commit_ms=4.0)
+    p = scale.deployment_plan(run, args, 2, 4.0, cores=scale.cores_left(run))
     assert p["groups_per_s"] == pytest.approx(600.0)
     assert p["host_cpu_s_per_group"] == pytest.approx(0.008)
     assert (p["predicted_groups_per_s"], p["bottleneck"]) == (pytest.approx(1.6 / 0.008), "host_cpu")
     # A core per edge, the same costs: 2 / 5 ms.
-    assert scale.deployment_plan(run, args, 2, commit_ms=4.0, shared=False)["predicted_groups_per_s"] == (
-        pytest.approx(400.0))
-    # A second edge gains nothing once the shared cores are full: one edge holds 1 / 5 ms = 200 as well.
-    assert scale.edge_scaling_cpu_bound(run, args, 4.0) == pytest.approx(1.0)
+    assert scale.deployment_plan(run, args, 2, 4.0, cores=None)["predicted_groups_per_s"] == pytest.approx(400.0)
+    figures = scale.deployment_figures(run | {"offered_submissions_per_s": 600.0, "held_fraction": 0.33,
+                                              "latency": {}, "error_fraction": 0.0, "errors": {},
+                                              "error_examples": {}, "unfinished_nodes": 0, "load_avg": 2.0},
+                                       args, 2, 4.0)
+    assert figures["predicted_ratio"] == pytest.approx(1.0)
+    assert figures["predicted_idle_machine_groups_per_s"] == pytest.approx(250.0)  # 2 cores / 8 ms
+    # The second edge's gain on the idle machine: 250 against one edge's 1 / 5 ms = 200.
+    assert scale.edge_scaling_cpu_bound(run, args, 4.0) == pytest.approx(1.25)
+    # Out of sample: a run that held 150 groups/s with 1.2 cores left to it, predicted from the costs above.
+    other = dict(run, nodes=900, submissions_per_s=150.0, other_cores=0.8)
+    assert scale.predicted_from(run, other, args, 2, 4.0) == {"predicted_groups_per_s": 150.0,
+                                                            "predicted_ratio": 1.0}
