@@ -2,14 +2,16 @@
 
 Runs benchmarks/scale.py's simulated fleet (real clients, real TLS coordinator, SQLite, verification
 off) at node counts below the coordinator's ceiling (the fleet's offered rate decides) and past it
-(one edge process's CPU per group decides). For each, the planner predicts
-``min(offered, groups_per_s_one_edge)`` from the same think time and group shape.
+(one edge process's CPU per group, or this machine's cores, decide). For each, the planner predicts
+``predicted_groups_per_s`` from the same think time and group shape, the unit costs that run measured
+(the coordinator's and the clients' CPU per group, a SQLite commit) and this machine's cores, shared by
+the coordinator and the simulated nodes' clients (scale.py ``deployment_plan``).
 
     .venv/bin/python benchmarks/plan_check.py [--quick]
 
 ``--quick`` (under 5 minutes): 100, 400 and 800 nodes, 10 s windows. Staleness is not measured: the
 simulated fleet runs with the trainer off, so no version is published. The last line is one JSON
-object: ``points`` (nodes, predicted_groups_per_s, measured_groups_per_s, error), the worst point's
+object: ``points`` (nodes, predicted_groups_per_s, bottleneck, measured_groups_per_s, error), the worst point's
 ``predicted_groups_per_s`` / ``measured_groups_per_s``, and ``within_25pct``.
 """
 
@@ -27,7 +29,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve()
 sys.path.insert(0, str(HERE.parent))
 
-from scale import predicted_groups_per_s, run_scale  # noqa: E402  (benchmarks/ is not a package: imported by path)
+from scale import cores_left, deployment_plan, fixed_costs, run_scale  # noqa: E402  (benchmarks/ is not a package: imported by path)
 
 
 def main() -> int:
@@ -50,17 +52,20 @@ def main() -> int:
     root = Path(tempfile.mkdtemp(prefix="veriroll-bench-plan-"))
     points = []
     try:
+        commit_ms = fixed_costs(root)["sqlite_commit_ms"]
         for n in [int(x) for x in args.scales.split(",") if x.strip()]:
             s = run_scale(n, args, root)
-            predicted = predicted_groups_per_s(n, args)
             measured = s["submissions_per_s"]
+            planned = deployment_plan(s, args, 1, commit_ms, cores=cores_left(s)) if measured else None
+            predicted = planned["predicted_groups_per_s"] if planned else 0.0
             error = (predicted - measured) / measured if measured else None
             points.append({"nodes": n, "predicted_groups_per_s": round(predicted, 1),
+                           "bottleneck": planned and planned["bottleneck"], "other_cores": s["other_cores"],
                            "measured_groups_per_s": measured, "error": round(error, 3) if error is not None else None,
                            "coordinator_cores": s["coordinator"]["cpu_cores"],
                            "cpu_ms_per_group": s["coordinator"]["cpu_ms_per_group"], "load_avg": s["load_avg"]})
-            print(f"{n:5d} nodes: predicted {predicted:6.1f} groups/s, measured {measured:6.1f} "
-                  f"({'n/a' if error is None else f'{error:+.0%}'}), coordinator {s['coordinator']['cpu_cores']:.2f} "
+            print(f"{n:5d} nodes: predicted {predicted:6.1f} groups/s ({planned and planned['bottleneck']}), "
+                  f"measured {measured:6.1f} ({'n/a' if error is None else f'{error:+.0%}'}), coordinator {s['coordinator']['cpu_cores']:.2f} "
                   f"cores, {s['coordinator']['cpu_ms_per_group']} ms CPU per group, load {s['load_avg']}", flush=True)
     finally:
         shutil.rmtree(root, ignore_errors=True)

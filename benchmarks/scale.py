@@ -20,7 +20,9 @@ Past one process, the same fleet (``--edge-nodes`` at ``--edge-think-s``, offeri
 holds) meets one ``--role all`` process on SQLite, then one and two ``--role edge`` processes sharing
 one gRPC port (SO_REUSEPORT) on a throwaway PostgreSQL cluster (tests/pg_cluster.py; fsync off), no
 trainer; then ``--fleet-nodes`` at ``--think-s`` meet the two edges. Each run stands beside the
-planner's prediction (coordinator/plan.py). benchmarks/intake.py and, where it exists,
+planner's prediction (coordinator/plan.py) from the unit costs that run measured (CPU per accepted group
+of the edges, the clients and PostgreSQL) on this machine's model: its cores, less what other processes
+took in the window, shared by the edges, PostgreSQL and the clients. benchmarks/intake.py and, where it exists,
 benchmarks/verify_pool.py run as children for ``intake_ratio`` and ``verify_groups_per_s_1/_2``.
 
     .venv/bin/python benchmarks/scale.py [--quick] [--scales 100,300,1000] [--measure-s 30] [--think-s 3]
@@ -30,7 +32,8 @@ benchmarks/verify_pool.py run as children for ``intake_ratio`` and ``verify_grou
 Prints one human line per run and the verdict, then one JSON line: ``groups_per_s`` (per deployment),
 ``edge_scaling`` (2 edges / 1 edge on PostgreSQL) and ``edge_scaling_cpu_bound`` (the most this
 machine's cores allow with the clients on them), ``fleet_held_fraction`` and ``fleet_submit_p99_ms``
-(``--fleet-nodes`` on 2 edges), ``predicted_groups_per_s`` / ``measured_groups_per_s`` (that run),
+(``--fleet-nodes`` on 2 edges), ``predicted_groups_per_s`` / ``measured_groups_per_s`` (that run), ``predicted_ratio`` (predicted / measured,
+per deployment),
 ``intake_ratio``, ``verify_groups_per_s_1/_2``, ``scale_out`` (every run's figures), ``scales`` (the
 sweep's per-scale figures), ``verdict``, ``saturation``, ``fixed_costs``, ``config``.
 """
@@ -39,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import math
 import os
@@ -352,6 +356,15 @@ def process_tree_cpu(pid: int) -> dict[int, float]:
     return out
 
 
+def machine_busy_s() -> float:
+    """CPU seconds every core of this machine has spent busy so far (all processes and the kernel)."""
+    import psutil
+
+    t = psutil.cpu_times()
+    # steal is time the hypervisor gave to another machine: not a core this one could use either way.
+    return t.user + t.nice + t.system + getattr(t, "irq", 0.0) + getattr(t, "softirq", 0.0)
+
+
 def run_scale(nodes: int, args, root: Path, *, database: str | None = None, edges: int = 1,
               store_pid: int | None = None, label: str = "") -> dict:
     """One fresh deployment, ``nodes`` simulated nodes, one measurement window.
@@ -406,7 +419,9 @@ def run_scale(nodes: int, args, root: Path, *, database: str | None = None, edge
         cpu_a = [thread_cpu(pid) for pid in pids]
         srv_a = [server_seconds(port) for port in http_ports]
         store_a = process_tree_cpu(store_pid) if store_pid else {}
+        busy_a = machine_busy_s()
         time.sleep(max(0.0, spec["measure_to"] - time.time()))
+        busy_b = machine_busy_s()
         cpu_b = [thread_cpu(pid) for pid in pids]
         srv_b = [server_seconds(port) for port in http_ports]
         store_b = process_tree_cpu(store_pid) if store_pid else {}
@@ -442,6 +457,10 @@ def run_scale(nodes: int, args, root: Path, *, database: str | None = None, edge
     store_s = sum(store_b[pid] - store_a[pid] for pid in store_a.keys() & store_b.keys())
     figures["deployment"] = {"store": "sqlite" if database is None else "postgresql", "roles": roles,
                              "store_cores": round(store_s / args.measure_s, 2) if store_pid else None}
+    # Cores busy outside the deployment and its clients: other tenants of this machine, the kernel's
+    # loopback network work not charged to a process, this driver. They are not the deployment's to use.
+    ours = cpu[0] + store_s + figures["client_cpu_cores"] * args.measure_s
+    figures["other_cores"] = round(max(0.0, busy_b - busy_a - ours) / args.measure_s, 2)
     return figures
 
 
@@ -603,20 +622,68 @@ def verdict(scales: list[dict], costs: dict) -> tuple[dict, str]:
 # --- past one process: edges on one port, PostgreSQL, the planner, the other benchmarks -----------------
 
 
-def predicted_groups_per_s(nodes: int, args, edges: int = 1) -> float:
-    """What the planner expects ``edges`` edge processes to hold for this simulated fleet."""
-    from veriroll.coordinator.plan import Workload, plan
+def run_costs(s: dict, args, commit_ms: float) -> dict:
+    """The planner's unit costs as run ``s`` measured them (the defaults for everything it did not measure).
+
+    The edges' CPU per accepted group includes their heartbeats at this run's rate, so heartbeats cost
+    nothing apart. ``commit_ms`` is a durable SQLite commit in this run's directory; on PostgreSQL (fsync
+    off) a commit is cheaper, so the store's write bound is a floor there.
+    """
+    from veriroll.coordinator.plan import DEFAULT_COSTS
+
+    source = f"benchmarks/scale.py, this run ({s['deployment']['store']}, {len(s['deployment']['roles'])} edge(s))"
+    measured = {"edge_s_per_group": s["coordinator"]["cpu_ms_per_group"] / 1000, "edge_s_per_heartbeat": 0.0,
+                "edge_reference_tokens": args.group_size * args.tokens, "store_commit_s": commit_ms / 1000}
+    if s["deployment"]["store_cores"] is not None:
+        measured["store_cpu_s_per_group"] = s["deployment"]["store_cores"] / s["submissions_per_s"]
+    costs = dict(DEFAULT_COSTS)
+    for name, value in measured.items():
+        costs[name] = dataclasses.replace(costs[name], value=value, source=source, measured=True)
+    return costs
+
+
+def deployment_plan(s: dict, args, edges: int, commit_ms: float, *, cores: float | None) -> dict:
+    """The planner's figures for run ``s``'s deployment, from the unit costs that run measured.
+
+    With ``cores``: this machine's model, that many cores shared by the edges, PostgreSQL (when it is the
+    store) and the simulated nodes' client processes (a co-located load at their CPU per group). With
+    None: a dedicated deployment, a core per edge and nothing else on it.
+    """
+    from veriroll.coordinator.plan import Machine, Workload, plan
 
     mean_think = args.think_s * math.exp(args.think_sigma ** 2 / 2)
-    w = Workload(model_params=1.0, nodes=nodes, tokens_per_sample=args.tokens, group_size=args.group_size,
+    w = Workload(model_params=1.0, nodes=s["nodes"], tokens_per_sample=args.tokens, group_size=args.group_size,
                  audit_fraction=0.0, prompt_tokens=0, node_tokens_per_s=args.group_size * args.tokens / mean_think,
                  heartbeat_s=args.heartbeat_s)
-    p = plan(w)
-    return min(p["groups_per_s"], edges * p["groups_per_s_one_edge"])
+    machine = Machine(edges=edges)
+    if cores is not None:
+        machine = Machine(edges=edges, cores=cores,
+                          colocated=("store",) if s["deployment"]["store"] == "postgresql" else (),
+                          colocated_cpu_s_per_group=s["client_cpu_cores"] / s["submissions_per_s"])
+    return plan(w, run_costs(s, args, commit_ms), machine)
 
 
-def deployment_figures(s: dict, args, edges: int) -> dict:
-    """One deployment's run, in the few figures the scale-out comparison reads."""
+def cores_left(s: dict) -> float:
+    """This machine's cores less what other processes took during run ``s``'s window."""
+    return os.cpu_count() - s["other_cores"]
+
+
+def predicted_from(source: dict, target: dict, args, edges: int, commit_ms: float) -> dict:
+    """The planner on run ``target``'s deployment from the unit costs run ``source`` measured: out of sample.
+
+    The fleet (``target``'s nodes, ``args``' think time) and the cores other tenants left it are the
+    target's conditions; the CPU per group of the edges, clients and PostgreSQL are the source's. (The
+    edges' cost per group carries the source's heartbeats per group.)
+    """
+    conditions = dict(source, nodes=target["nodes"], other_cores=target["other_cores"])
+    planned = deployment_plan(conditions, args, edges, commit_ms, cores=cores_left(target))["predicted_groups_per_s"]
+    measured = target["submissions_per_s"]
+    return {"predicted_groups_per_s": round(planned, 1),
+            "predicted_ratio": round(planned / measured, 2) if measured else None}
+
+
+def deployment_figures(s: dict, args, edges: int, commit_ms: float) -> dict:
+    """One deployment's run, in the few figures the scale-out comparison reads, beside the planner's."""
     submit = s["latency"].get("SubmitGroup") or {}
     c = s["coordinator"]
     accepted = s["submissions_per_s"]
@@ -624,30 +691,43 @@ def deployment_figures(s: dict, args, edges: int) -> dict:
     figures = {
         "nodes": s["nodes"], "roles": s["deployment"]["roles"], "store": s["deployment"]["store"],
         "groups_per_s": accepted, "offered_groups_per_s": s["offered_submissions_per_s"],
-        "held_fraction": s["held_fraction"], "predicted_groups_per_s": round(predicted_groups_per_s(
-            s["nodes"], args, edges), 1),
+        "held_fraction": s["held_fraction"],
         "submit_p50_ms": submit.get("p50_ms"), "submit_p99_ms": submit.get("p99_ms"),
         "error_fraction": s["error_fraction"], "errors": s["errors"], "error_examples": s["error_examples"],
         "unfinished_nodes": s["unfinished_nodes"],
-        "edge_cores": c["cpu_cores"], "client_cores": s["client_cpu_cores"], "store_cores": store_cores,
+        "edge_cores": c["cpu_cores"], "edge_main_thread_cores": c["main_thread_cores"],
+        "client_cores": s["client_cpu_cores"], "store_cores": store_cores, "other_cores": s["other_cores"],
         # CPU per accepted group, by who spends it.
         "edge_ms_per_group": c["cpu_ms_per_group"],
         "client_ms_per_group": round(s["client_cpu_cores"] / accepted * 1000, 2) if accepted else None,
         "store_ms_per_group": round(store_cores / accepted * 1000, 2) if accepted and store_cores else None,
         "load_avg": s["load_avg"],
     }
-    spent = [figures[k] for k in ("edge_ms_per_group", "client_ms_per_group", "store_ms_per_group") if figures[k]]
-    # What this machine's cores could hold were nothing else running: the planner gives each edge its
-    # own core, while here the clients and PostgreSQL take theirs from the same two.
-    figures["machine_bound_groups_per_s"] = round(os.cpu_count() * 1000 / sum(spent), 1) if spent else None
-    return figures
+    if not accepted:
+        return figures | {"predicted_groups_per_s": None, "predicted_ratio": None, "bottleneck": None}
+    shared = deployment_plan(s, args, edges, commit_ms, cores=cores_left(s))
+    idle = deployment_plan(s, args, edges, commit_ms, cores=os.cpu_count())
+    dedicated = deployment_plan(s, args, edges, commit_ms, cores=None)
+    return figures | {
+        "predicted_groups_per_s": round(shared["predicted_groups_per_s"], 1),
+        "predicted_ratio": round(shared["predicted_groups_per_s"] / accepted, 2),
+        "bottleneck": shared["bottleneck"],
+        "cores_for_deployment": round(shared["host_cores"], 2),
+        "predicted_edges_groups_per_s": round(shared["groups_per_s_edges"], 1),
+        # What the cores left to the deployment hold, its clients on them too.
+        "machine_bound_groups_per_s": round(shared["groups_per_s_host"], 1),
+        # The same, were nothing else running on this machine.
+        "predicted_idle_machine_groups_per_s": round(idle["predicted_groups_per_s"], 1),
+        # The same unit costs with a core per edge and nothing else on it: the planner before its machine model.
+        "predicted_dedicated_groups_per_s": round(dedicated["predicted_groups_per_s"], 1),
+    }
 
 
 def postmaster_pid(cluster) -> int:
     return int((cluster.data / "postmaster.pid").read_text().split()[0])
 
 
-def scale_out(args, root: Path) -> dict:
+def scale_out(args, root: Path, commit_ms: float) -> dict:
     """groups/s with 1 and 2 edge processes on SQLite and PostgreSQL against one fleet, and 1,000 nodes.
 
     The same fleet (``--edge-nodes`` at ``--edge-think-s``, offering more than one edge holds) meets one
@@ -658,43 +738,55 @@ def scale_out(args, root: Path) -> dict:
     from pg_cluster import Cluster, unavailable
 
     fleet = argparse.Namespace(**{**vars(args), "think_s": args.edge_think_s})
-    runs = {"sqlite_1_edge": deployment_figures(run_scale(args.edge_nodes, fleet, root, label="sqlite-1"), fleet, 1)}
+    runs = {"sqlite_1_edge": deployment_figures(run_scale(args.edge_nodes, fleet, root, label="sqlite-1"), fleet, 1,
+                                                commit_ms)}
     why = unavailable()
     if why is not None:
         return {"runs": runs, "postgresql": f"not measured: {why}"}
     cluster = Cluster()
     try:
         pid = postmaster_pid(cluster)
+        on_postgres = {}
         for edges in (1, 2):
-            s = run_scale(args.edge_nodes, fleet, root, database=cluster.new_database(), edges=edges, store_pid=pid,
-                          label=f"postgres-{edges}")
-            runs[f"postgres_{edges}_edge{'s' if edges > 1 else ''}"] = deployment_figures(s, fleet, edges)
-        s = run_scale(args.fleet_nodes, args, root, database=cluster.new_database(), edges=2, store_pid=pid,
-                      label=f"fleet-{args.fleet_nodes}")
-        fleet_run = deployment_figures(s, args, 2)
+            on_postgres[edges] = run_scale(args.edge_nodes, fleet, root, database=cluster.new_database(),
+                                           edges=edges, store_pid=pid, label=f"postgres-{edges}")
+            runs[f"postgres_{edges}_edge{'s' if edges > 1 else ''}"] = deployment_figures(
+                on_postgres[edges], fleet, edges, commit_ms)
+        at_fleet = run_scale(args.fleet_nodes, args, root, database=cluster.new_database(), edges=2, store_pid=pid,
+                             label=f"fleet-{args.fleet_nodes}")
+        fleet_run = deployment_figures(at_fleet, args, 2, commit_ms)
     finally:
         cluster.stop()
     one, two = runs["postgres_1_edge"], runs["postgres_2_edges"]
+    if on_postgres[1]["submissions_per_s"]:
+        two["out_of_sample"] = {"from": "postgres_1_edge", **predicted_from(on_postgres[1], on_postgres[2], fleet, 2,
+                                                                           commit_ms)}
+    if on_postgres[2]["submissions_per_s"]:
+        fleet_run["out_of_sample"] = {"from": "postgres_2_edges", **predicted_from(on_postgres[2], at_fleet, args,
+                                                                                   2, commit_ms)}
     return {
         "runs": runs,
         "edge_scaling": round(two["groups_per_s"] / one["groups_per_s"], 2) if one["groups_per_s"] else None,
-        "edge_scaling_cpu_bound": edge_scaling_cpu_bound(two),
+        "edge_scaling_cpu_bound": edge_scaling_cpu_bound(on_postgres[2], fleet, commit_ms),
         "fleet": fleet_run,
     }
 
 
-def edge_scaling_cpu_bound(run: dict) -> float | None:
-    """The most a second edge can gain on this machine, were it otherwise idle, from ``run``'s CPU per group.
+def edge_scaling_cpu_bound(s: dict, args, commit_ms: float) -> float | None:
+    """The most a second edge can gain on this machine, were it otherwise idle, from two-edge run ``s``.
 
-    One edge holds at most one core's worth of groups; two edges at most two, unless the machine's cores
-    run out first: the clients and PostgreSQL share the cores the edges would scale onto.
+    The planner's capacity of one and of two edges, the fleet's own rate left out: an edge holds at
+    most a core's worth of groups, unless the cores the clients and PostgreSQL share run out first.
+    (Other tenants are left out: their share differs from one run to the next.)
     """
-    costs = [run[k] for k in ("edge_ms_per_group", "client_ms_per_group", "store_ms_per_group")]
-    if None in costs:
+    if not s["submissions_per_s"]:
         return None
-    one_edge = 1000 / costs[0]
-    machine = os.cpu_count() * 1000 / sum(costs)
-    return round(min(2 * one_edge, machine) / min(one_edge, machine), 2)
+
+    def capacity(edges: int) -> float:
+        p = deployment_plan(s, args, edges, commit_ms, cores=os.cpu_count())
+        return min(p["groups_per_s_edges"], p["groups_per_s_host"], p["groups_per_s_store"])
+
+    return round(capacity(2) / capacity(1), 2)
 
 
 def child_figures(script: str, quick: bool, keys: tuple[str, ...]) -> dict:
@@ -755,14 +847,22 @@ def main() -> int:
         costs = fixed_costs(root)
         summary, text = verdict(figures, costs)
         print(text, flush=True)
-        out = scale_out(args, root)
+        out = scale_out(args, root, costs["sqlite_commit_ms"])
         for name, run in [*out["runs"].items(), ("fleet", out.get("fleet"))]:
             if run:
-                print(f"{name}: {run['nodes']} nodes, {run['groups_per_s']:.1f} groups/s (predicted "
-                      f"{run['predicted_groups_per_s']:.1f}, this machine's CPU {run['machine_bound_groups_per_s']}, "
-                      f"{run['held_fraction']:.0%} of offered), submit p99 "
-                      f"{run['submit_p99_ms']} ms | cores: edges {run['edge_cores']}, clients {run['client_cores']}, "
-                      f"store {run['store_cores']} | load {run['load_avg']}", flush=True)
+                print(f"{name}: {run['nodes']} nodes, measured {run['groups_per_s']:.1f} groups/s, predicted "
+                      f"{run['predicted_groups_per_s']} (x{run['predicted_ratio']}, {run['bottleneck']}; edges "
+                      f"{run.get('predicted_edges_groups_per_s')}, {run.get('cores_for_deployment')} cores "
+                      f"{run.get('machine_bound_groups_per_s')}; machine idle "
+                      f"{run.get('predicted_idle_machine_groups_per_s')}, a core per edge "
+                      f"{run.get('predicted_dedicated_groups_per_s')}), {run['held_fraction']:.0%} of offered, "
+                      f"submit p99 {run['submit_p99_ms']} ms | cores: edges {run['edge_cores']}, clients "
+                      f"{run['client_cores']}, store {run['store_cores']}, other {run['other_cores']} | "
+                      f"load {run['load_avg']}", flush=True)
+                if "out_of_sample" in run:
+                    o = run["out_of_sample"]
+                    print(f"  from the unit costs of {o['from']}: predicted {o['predicted_groups_per_s']} "
+                          f"(x{o['predicted_ratio']})", flush=True)
         print(f"edge_scaling {out.get('edge_scaling')} (this machine's CPU allows at most "
               f"{out.get('edge_scaling_cpu_bound')})", flush=True)
         intake = child_figures("intake.py", args.quick, ("ratio", "intake_groups_per_s", "echo_per_s"))
@@ -777,6 +877,8 @@ def main() -> int:
         "fleet_submit_p99_ms": fleet.get("submit_p99_ms"),
         "predicted_groups_per_s": fleet.get("predicted_groups_per_s"),
         "measured_groups_per_s": fleet.get("groups_per_s"),
+        # Every deployment: the planner's prediction from that run's unit costs / what it held.
+        "predicted_ratio": {name: run.get("predicted_ratio") for name, run in [*runs.items(), ("fleet", fleet)]},
         "verify_groups_per_s_1": verify["verify_groups_per_s_1"], "verify_groups_per_s_2": verify["verify_groups_per_s_2"],
         "intake_ratio": intake["ratio"], "intake": intake, "verify": verify, "scale_out": out,
         "scales": figures, "saturation": summary, "verdict": text, "fixed_costs": costs,

@@ -17,6 +17,15 @@ generate them; every other part must carry that rate:
     staleness         = publishes during the span a group's policy is old for: T = generation + broadcast;
                         with T = m * P + r (0 <= r < P), P(k = m) = 1 - r/P and P(k = m + 1) = r/P;
                         groups with k > s_max are refused as stale
+    held groups/s     = min(offered,
+                            edges: (edges - heartbeat cores) / edge_s_per_group   (one core per edge: the GIL),
+                            host:  (cores - heartbeat cores) / (edge_s_per_group + the CPU per group of every
+                                   part co-located with the edges: store, CPU verifier, other load),
+                            store: store_writes_per_commit_max / store_commit_s / writes per group,
+                            verifier: verifier_devices / (audit_fraction * verify seconds per group))
+
+A ``Machine`` says how the parts are deployed; the default (no ``--cores``) is a dedicated deployment,
+each edge process with a core of its own and the store and verifiers on machines of their own.
 
 Each unit cost carries its source and whether it was measured on the 2-core development machine or
 is an assumption; ``--costs FILE`` (JSON, ``{"name": value}`` or ``{"name": {"value": ...}}``)
@@ -65,6 +74,12 @@ DEFAULT_COSTS: dict[str, UnitCost] = {
         3, "durable writes per audited group handed to the verifier pool",
         "store.py verifier pool: enqueue the job, a worker claims it, the worker writes the verdict (finished jobs "
         "are deleted in batches)", True),
+    "store_cpu_s_per_group": UnitCost(
+        0.0013, "CPU s of the store server (PostgreSQL, all its processes) per accepted group and its lease",
+        "benchmarks/scale.py scale_out: the postmaster's process tree, 1.2-1.4 ms per 8x64 group with 1 or 2 edges "
+        "(fsync off); counts only where --colocate store puts it on the edges' cores", True),
+    "store_writes_per_commit_max": UnitCost(
+        512, "writes one group commit carries at most", "store.py: the writer's MAX_BATCH", True),
     "store_commit_s": UnitCost(
         0.004, "s per durable SQLite commit (WAL, fsync); group commit shares one among every waiting write",
         "benchmarks/scale.py fixed_costs sqlite_commit_ms on this machine's disk: ~2-5 ms", True),
@@ -123,6 +138,28 @@ class Workload:
     utilization: float = 0.8
 
 
+COLOCATABLE = ("store", "verifier")
+"""Parts that may share the edges' cores (``--colocate``); the trainer wants GPUs of its own."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Machine:
+    """How the coordinator's parts are deployed, for the throughput the deployment holds.
+
+    The default is a dedicated deployment: as many edge processes as the plan sizes, each with a core of
+    its own, the store and the verifiers on machines of their own. ``cores`` makes the edges share one
+    CPU budget with the parts named in ``colocated`` and with ``colocated_cpu_s_per_group`` of other
+    load (a benchmark's simulated clients, another service), as on a small box running edges and
+    PostgreSQL together.
+    """
+
+    edges: int | None = None  # edge processes deployed; None: the planned edge_processes
+    cores: float | None = None  # cores the edges' host has; None: a core per edge, nothing else on it
+    colocated: tuple[str, ...] = ()  # parts of COLOCATABLE on the edges' cores
+    colocated_cpu_s_per_group: float = 0.0  # other load on those cores, CPU s per accepted group
+    verifier_devices: int | None = None  # None: as many as the plan sizes, never the bottleneck
+
+
 def load_costs(path: str | Path | None = None) -> dict[str, UnitCost]:
     """The default unit costs, with any named in the JSON file at ``path`` replacing them."""
     costs = dict(DEFAULT_COSTS)
@@ -168,12 +205,36 @@ def validate(w: Workload, costs: dict[str, UnitCost]) -> None:
     _require(0.0 <= w.audit_fraction <= 1.0, f"--audit-fraction must be within [0, 1], got {w.audit_fraction!r}")
     _require(0.0 < w.utilization <= 1.0, f"--utilization must be within (0, 1], got {w.utilization!r}")
     _require(w.verifier_device in ("gpu", "cpu"), f"--verifier-device must be gpu or cpu, got {w.verifier_device!r}")
-    for name in ("edge_s_per_group", "edge_reference_tokens", "store_commit_s", "cpu_verify_flops", "gpu_flops",
+    for name in ("edge_s_per_group", "edge_reference_tokens", "store_commit_s", "store_writes_per_commit_max",
+                 "cpu_verify_flops", "gpu_flops",
                  "trainer_flops_per_token_per_param", "node_memory_bandwidth", "bytes_per_param", "shard_bytes",
                  "relay_upload_bytes_per_s", "node_download_bytes_per_s", "relay_fanout"):
         positive(f"cost {name}", costs[name].value)
     _require(costs["relay_fanout"].value >= 2, f"cost relay_fanout must be >= 2, got {costs['relay_fanout'].value}")
     _require(0 < costs["delta_ratio"].value <= 1, f"cost delta_ratio must be within (0, 1], got {costs['delta_ratio'].value}")
+
+
+def validate_machine(m: Machine, w: Workload) -> None:
+    """Refuse a deployment the arithmetic cannot hold, naming the flag."""
+    _require(m.edges is None or m.edges >= 1, f"--edges must be >= 1, got {m.edges!r}")
+    _require(m.cores is None or (math.isfinite(m.cores) and m.cores > 0), f"--cores must be > 0, got {m.cores!r}")
+    _require(m.verifier_devices is None or m.verifier_devices >= 1,
+             f"--verifier-devices must be >= 1, got {m.verifier_devices!r}")
+    _require(math.isfinite(m.colocated_cpu_s_per_group) and m.colocated_cpu_s_per_group >= 0,
+             f"--colocated-cpu-s-per-group must be >= 0, got {m.colocated_cpu_s_per_group!r}")
+    unknown = sorted(set(m.colocated) - set(COLOCATABLE))
+    _require(not unknown, f"--colocate: unknown part {', '.join(unknown)}; known: {', '.join(COLOCATABLE)}")
+    _require(m.cores is not None or not (m.colocated or m.colocated_cpu_s_per_group),
+             "--colocate and --colocated-cpu-s-per-group need --cores: the CPU budget they share")
+    # A GPU verifier's host CPU is not modelled; a CPU verifier's cost is its prefill.
+    _require("verifier" not in m.colocated or w.verifier_device == "cpu",
+             "--colocate verifier needs --verifier-device cpu (a GPU verifier's host CPU is not modelled)")
+
+
+def held_groups_per_s(bounds: dict[str, float | None]) -> tuple[float, str]:
+    """The rate a deployment holds and what sets it: the smallest of ``bounds`` (None: no bound)."""
+    name, rate = min(((n, r) for n, r in bounds.items() if r is not None), key=lambda item: item[1])
+    return rate, name
 
 
 def staleness_distribution(span_s: float, publish_every_s: float) -> dict[int, float]:
@@ -205,10 +266,15 @@ def broadcast_time_s(nodes_reached: float, version_bytes: float, costs: dict[str
     return version_bytes / rate + (depth - 1) * shard / rate, depth, relays
 
 
-def plan(w: Workload, costs: dict[str, UnitCost] | None = None) -> dict:
-    """The deployment ``w`` needs: processes, devices, rates and times, as one flat dict of figures."""
+def plan(w: Workload, costs: dict[str, UnitCost] | None = None, machine: Machine | None = None) -> dict:
+    """The deployment ``w`` needs: processes, devices, rates and times, as one flat dict of figures.
+
+    With ``machine``, also what that deployment holds (``predicted_groups_per_s``) and its bottleneck.
+    """
     costs = costs or dict(DEFAULT_COSTS)
+    machine = machine or Machine()
     validate(w, costs)
+    validate_machine(machine, w)
     c = {name: cost.value for name, cost in costs.items()}
     group_tokens = w.group_size * w.tokens_per_sample
     weight_bytes = w.model_params * c["bytes_per_param"]
@@ -239,6 +305,25 @@ def plan(w: Workload, costs: dict[str, UnitCost] | None = None) -> dict:
 
     def devices(busy: float) -> int:
         return max(1, math.ceil(busy / w.utilization - 1e-9))
+
+    edges = machine.edges or devices(edge_cores)
+    verify_s_per_group = prefill_tokens * w.audit_fraction * verify_s_per_token
+    # CPU per accepted group of everything on the edges' host; the heartbeats take their cores first.
+    host_s = edge_s + machine.colocated_cpu_s_per_group
+    if "store" in machine.colocated:
+        host_s += c["store_cpu_s_per_group"]
+    if "verifier" in machine.colocated:
+        host_s += verify_s_per_group
+    bounds = {
+        "fleet": groups_per_s,
+        # One Python process runs Python on one core at a time: an edge holds at most a core's worth.
+        "edge_main_threads": max(0.0, edges - heartbeat_cores) / edge_s,
+        "host_cpu": None if machine.cores is None else max(0.0, machine.cores - heartbeat_cores) / host_s,
+        "store_writes": c["store_writes_per_commit_max"] / c["store_commit_s"] / (writes_per_s / groups_per_s),
+        "verifier": (machine.verifier_devices / verify_s_per_group
+                     if machine.verifier_devices is not None and verify_s_per_group > 0 else None),
+    }
+    held, bottleneck = held_groups_per_s(bounds)
 
     return {
         "groups_per_s": groups_per_s,
@@ -272,12 +357,40 @@ def plan(w: Workload, costs: dict[str, UnitCost] | None = None) -> dict:
         "staleness": {str(k): p for k, p in sorted(staleness.items())},
         "mean_staleness": sum(k * p for k, p in staleness.items()),
         "stale_refused_share": sum(p for k, p in staleness.items() if k > w.s_max),
+        "edges_deployed": edges,
+        "host_cores": machine.cores,
+        "host_cpu_s_per_group": host_s,
+        # Cores the edges' host is busy at the offered rate, co-located parts included.
+        "host_cores_busy": groups_per_s * host_s + heartbeat_cores,
+        "groups_per_s_edges": bounds["edge_main_threads"],
+        "groups_per_s_host": bounds["host_cpu"],
+        "groups_per_s_store": bounds["store_writes"],
+        "groups_per_s_verifier": bounds["verifier"],
+        "predicted_groups_per_s": held,
+        "bottleneck": bottleneck,
     }
 
 
-def render(w: Workload, p: dict, costs: dict[str, UnitCost]) -> str:
+BOTTLENECK_WORDS = {
+    "fleet": "the fleet's own rate: every part keeps up",
+    "edge_main_threads": "the edges' event-loop threads (one core each)",
+    "host_cpu": "the CPU of the host the edges share",
+    "store_writes": "the store's durable writes",
+    "verifier": "the verifier devices",
+}
+
+
+def render(w: Workload, p: dict, costs: dict[str, UnitCost], machine: Machine | None = None) -> str:
     """The plan as lines an operator reads, with the assumptions it rests on."""
+    machine = machine or Machine()
     stale = ", ".join(f"P({k})={v:.2f}" for k, v in p["staleness"].items())
+    if machine.cores is None:
+        host = "a core per edge"
+    else:
+        shared = ", ".join([*machine.colocated, *(["other load"] if machine.colocated_cpu_s_per_group else [])])
+        host = (f"{machine.cores:g} core{'' if machine.cores == 1 else 's'} shared with {shared or 'nothing else'}, "
+                f"{p['host_cpu_s_per_group'] * 1000:.1f} ms CPU per group: {p['groups_per_s_host']:.1f}/s")
+    verifier = "" if p["groups_per_s_verifier"] is None else f", verifiers {p['groups_per_s_verifier']:.1f}/s"
     lines = [
         f"workload: {w.nodes} nodes, {w.model_params:.3g} params, groups of {w.group_size} x {w.tokens_per_sample} "
         f"tokens (+{w.prompt_tokens} prompt), audit {w.audit_fraction:.0%}",
@@ -300,6 +413,9 @@ def render(w: Workload, p: dict, costs: dict[str, UnitCost]) -> str:
         f"staleness at one version every {w.publish_every_s:g} s (policy ages {p['staleness_span_s']:.0f} s "
         f"per group): {stale}; mean {p['mean_staleness']:.2f}; {p['stale_refused_share']:.0%} refused as stale "
         f"(s_max {w.s_max})",
+        f"held: {p['predicted_groups_per_s']:.1f} groups/s with {p['edges_deployed']} edge processes, set by "
+        f"{BOTTLENECK_WORDS[p['bottleneck']]} (edges {p['groups_per_s_edges']:.1f}/s; host: {host}; store "
+        f"{p['groups_per_s_store']:.0f}/s{verifier})",
         "assumed, not measured here: " + ", ".join(n for n, c in costs.items() if not c.measured),
     ]
     return "\n".join(lines)
@@ -312,15 +428,19 @@ def cmd_plan(args) -> int:
                  heartbeat_s=args.heartbeat_s, s_max=args.s_max,
                  deltas=not args.no_deltas, verifier_device=args.verifier_device, verifier_pool=args.verifier_pool,
                  utilization=args.utilization)
+    machine = Machine(edges=args.edges, cores=args.cores,
+                      colocated=tuple(part.strip() for part in args.colocate.split(",") if part.strip()),
+                      colocated_cpu_s_per_group=args.colocated_cpu_s_per_group,
+                      verifier_devices=args.verifier_devices)
     try:
         costs = load_costs(args.costs)
-        p = plan(w, costs)
+        p = plan(w, costs, machine)
     except PlanError as e:
         args.parser.error(str(e))
     if args.json:
         print(json.dumps({**p, "costs": {n: dataclasses.asdict(c) for n, c in costs.items()}}))
     else:
-        print(render(w, p, costs))
+        print(render(w, p, costs, machine))
     return 0
 
 
@@ -345,6 +465,16 @@ def register(subparsers) -> None:
     p.add_argument("--verifier-pool", action="store_true", help="audited groups reach verifier processes through the "
                                                                 "store (role verifier): count its writes")
     p.add_argument("--utilization", type=float, default=0.8, help="target busy share of every process and device")
+    p.add_argument("--edges", type=int, default=None,
+                   help="edge processes deployed (default: as many as planned); sets what the deployment holds")
+    p.add_argument("--cores", type=float, default=None,
+                   help="cores of the host the edges share (default: a core per edge, nothing else on it)")
+    p.add_argument("--colocate", default="", metavar="PARTS",
+                   help=f"comma-separated parts on the edges' cores, of: {', '.join(COLOCATABLE)} (needs --cores)")
+    p.add_argument("--colocated-cpu-s-per-group", type=float, default=0.0, metavar="S",
+                   help="other load on the edges' cores, CPU seconds per accepted group (needs --cores)")
+    p.add_argument("--verifier-devices", type=int, default=None,
+                   help="verifier devices deployed (default: as many as planned)")
     p.add_argument("--costs", default=None, metavar="FILE", help="JSON of unit costs replacing the defaults")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=cmd_plan, parser=p)

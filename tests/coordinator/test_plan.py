@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
+import importlib.util
 import json
+from pathlib import Path
 
 import pytest
 
 from veriroll.cli.main import main
 from veriroll.coordinator.plan import (
     DEFAULT_COSTS,
+    Machine,
     PlanError,
     Workload,
     broadcast_time_s,
@@ -17,6 +21,8 @@ from veriroll.coordinator.plan import (
     plan,
     staleness_distribution,
 )
+
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 
 
 def costs_with(**values: float) -> dict:
@@ -196,3 +202,145 @@ def test_the_verifier_pool_adds_its_store_writes_per_audited_group(capsys):
 def test_trainer_tokens_per_gpu_follow_its_flops_per_token():
     p = plan(small_workload(), costs_with(gpu_flops=8e14, trainer_flops_per_token_per_param=8))
     assert p["trainer_tokens_per_s_per_gpu"] == pytest.approx(8e14 / (8 * 1e11))
+
+
+def busy_workload(**changes) -> Workload:
+    # 1,000 nodes making one 4 x 25-token group every 2 s: 500 groups/s offered, no heartbeat cost below.
+    return small_workload(nodes=1000, node_tokens_per_s=50.0, **changes)
+
+
+def machine_costs(**values: float) -> dict:
+    return costs_with(**{"edge_s_per_group": 0.005, "edge_reference_tokens": 100, "edge_s_per_heartbeat": 0.0,
+                         "store_cpu_s_per_group": 0.002, "store_commit_s": 0.004, **values})
+
+
+def test_a_dedicated_deployment_keeps_the_plan_and_holds_a_core_per_edge():
+    costs = machine_costs()
+    today = plan(busy_workload(), costs)
+    dedicated = plan(busy_workload(), costs, Machine())
+    assert {k: dedicated[k] for k in today} == today
+    # 500 groups/s at 5 ms: 2.5 cores, 4 edges at 80%; four edges hold 4 / 5 ms = 800 groups/s.
+    assert today["edge_processes"] == 4 and today["edges_deployed"] == 4
+    assert today["groups_per_s_edges"] == pytest.approx(800.0)
+    assert today["groups_per_s_host"] is None and today["groups_per_s_verifier"] is None
+    assert (today["predicted_groups_per_s"], today["bottleneck"]) == (pytest.approx(500.0), "fleet")
+    # Two edges: 2 / 5 ms = 400 groups/s, what scale.py's old min(offered, edges * one edge) gave.
+    two = plan(busy_workload(), costs, Machine(edges=2))
+    assert (two["predicted_groups_per_s"], two["bottleneck"]) == (pytest.approx(400.0), "edge_main_threads")
+    assert two["predicted_groups_per_s"] == pytest.approx(2 * two["groups_per_s_one_edge"])
+
+
+def test_shared_cores_bound_edges_that_share_them_with_the_store_and_other_load():
+    # Two edges, PostgreSQL and 3 ms per group of other load on 2 cores: 2 / (5 + 2 + 3 ms) = 200 groups/s,
+    # under the edges' own 400.
+    p = plan(busy_workload(), machine_costs(),
+             Machine(edges=2, cores=2, colocated=("store",), colocated_cpu_s_per_group=0.003))
+    assert p["host_cpu_s_per_group"] == pytest.approx(0.010)
+    assert p["groups_per_s_host"] == pytest.approx(200.0)
+    assert (p["predicted_groups_per_s"], p["bottleneck"]) == (pytest.approx(200.0), "host_cpu")
+    assert p["host_cores_busy"] == pytest.approx(500 * 0.010)
+    # Without the store on the box: 2 / 8 ms = 250.
+    assert plan(busy_workload(), machine_costs(), Machine(edges=2, cores=2, colocated_cpu_s_per_group=0.003)
+                )["predicted_groups_per_s"] == pytest.approx(250.0)
+
+
+def test_one_edge_on_a_roomy_host_is_bound_by_its_own_core():
+    # 8 cores, 7 ms per group with the store: 1,143 groups/s; one edge holds 1 / 5 ms = 200.
+    p = plan(busy_workload(), machine_costs(), Machine(edges=1, cores=8, colocated=("store",)))
+    assert p["groups_per_s_host"] == pytest.approx(8 / 0.007)
+    assert (p["predicted_groups_per_s"], p["bottleneck"]) == (pytest.approx(200.0), "edge_main_threads")
+
+
+def test_heartbeats_take_their_cores_from_the_edges_and_the_host():
+    costs = machine_costs(edge_s_per_heartbeat=0.001)
+    # 1,000 nodes beating every 10 s at 1 ms: 0.1 cores.
+    p = plan(busy_workload(heartbeat_s=10.0), costs, Machine(edges=2, cores=2))
+    assert p["groups_per_s_edges"] == pytest.approx(1.9 / 0.005)
+    assert p["groups_per_s_host"] == pytest.approx(1.9 / 0.005)
+
+
+def test_a_cpu_verifier_on_the_edges_cores_costs_its_prefills():
+    # Half of the groups audited, 100 tokens each, at 2 * 1e11 / 4e13 = 5 ms per token: 0.25 s per group.
+    w = busy_workload(verifier_device="cpu")
+    p = plan(w, machine_costs(cpu_verify_flops=4e13), Machine(edges=2, cores=2, colocated=("verifier",)))
+    assert p["host_cpu_s_per_group"] == pytest.approx(0.005 + 0.25)
+    assert p["bottleneck"] == "host_cpu"
+    with pytest.raises(PlanError, match="--colocate verifier needs --verifier-device cpu"):
+        plan(busy_workload(), machine_costs(), Machine(cores=2, colocated=("verifier",)))
+
+
+def test_few_verifier_devices_or_a_slow_store_set_the_held_rate():
+    # 100 tokens * 0.5 audited at 1 ms per token: 0.05 device-seconds per group; 10 devices hold 200/s.
+    p = plan(busy_workload(), machine_costs(gpu_flops=2e14), Machine(verifier_devices=10))
+    assert (p["predicted_groups_per_s"], p["bottleneck"]) == (pytest.approx(200.0), "verifier")
+    # 2 writes per group, at most 8 writes per commit, 40 ms per commit: 100 groups/s.
+    p = plan(busy_workload(), machine_costs(store_writes_per_commit_max=8, store_commit_s=0.04))
+    assert (p["predicted_groups_per_s"], p["bottleneck"]) == (pytest.approx(100.0), "store_writes")
+
+
+def test_cli_machine_flags_set_the_held_rate(capsys):
+    args = ["plan", "--model-params", "1e9", "--nodes", "1000", "--tokens-per-sample", "64", "--group-size", "8",
+            "--node-tokens-per-s", "256", "--audit-fraction", "0"]
+    # 500 groups/s offered at the default 3.7 ms per edge and 1.3 ms of PostgreSQL per group.
+    assert main([*args, "--edges", "2", "--cores", "2", "--colocate", "store", "--colocated-cpu-s-per-group",
+                 "0.0015", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    per_group = DEFAULT_COSTS["edge_s_per_group"].value + DEFAULT_COSTS["store_cpu_s_per_group"].value + 0.0015
+    heartbeat_cores = 1000 / 10 * DEFAULT_COSTS["edge_s_per_heartbeat"].value
+    assert data["host_cpu_s_per_group"] == pytest.approx(per_group)
+    assert data["predicted_groups_per_s"] == pytest.approx((2 - heartbeat_cores) / per_group)
+    assert data["bottleneck"] == "host_cpu" and data["edges_deployed"] == 2 and data["host_cores"] == 2
+    assert main([*args, "--edges", "2", "--cores", "1"]) == 0
+    assert "set by the CPU of the host the edges share" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--cores", "0"], "--cores must be > 0"),
+    (["--edges", "0"], "--edges must be >= 1"),
+    (["--verifier-devices", "0"], "--verifier-devices must be >= 1"),
+    (["--cores", "2", "--colocate", "trainer"], "--colocate: unknown part trainer"),
+    (["--colocate", "store"], "--colocate and --colocated-cpu-s-per-group need --cores"),
+    (["--cores", "2", "--colocated-cpu-s-per-group", "-1"], "--colocated-cpu-s-per-group must be >= 0"),
+])
+def test_bad_machine_flags_are_refused_with_their_name(extra, message, capsys):
+    args = ["plan", "--model-params", "7e9", "--nodes", "10", "--tokens-per-sample", "64", "--group-size", "8"]
+    with pytest.raises(SystemExit) as exc:
+        main(args + extra)
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def scale_benchmark():
+    spec = importlib.util.spec_from_file_location("scale_benchmark", BENCHMARKS / "scale.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_scale_benchmark_predicts_from_the_unit_costs_of_its_own_run(monkeypatch):
+    scale = scale_benchmark()
+    monkeypatch.setattr(scale.os, "cpu_count", lambda: 2)
+    args = argparse.Namespace(think_s=1.0, think_sigma=0.0, group_size=8, tokens=64, heartbeat_s=5.0)
+    # 600 nodes at 1 s: 600 groups/s offered; the run held 200 on PostgreSQL with 2 edges at 1.0 cores
+    # (5 ms per group), clients 0.3 cores (1.5 ms), PostgreSQL 0.3 (1.5 ms), other tenants 0.4 cores.
+    run = {"nodes": 600, "submissions_per_s": 200.0, "client_cpu_cores": 0.3, "other_cores": 0.4,
+           "coordinator": {"cpu_ms_per_group": 5.0, "cpu_cores": 1.0, "main_thread_cores": 0.6},
+           "deployment": {"store": "postgresql", "roles": ["edge", "edge"], "store_cores": 0.3}}
+    p = scale.deployment_plan(run, args, 2, 4.0, cores=scale.cores_left(run))
+    assert p["groups_per_s"] == pytest.approx(600.0)
+    assert p["host_cpu_s_per_group"] == pytest.approx(0.008)
+    assert (p["predicted_groups_per_s"], p["bottleneck"]) == (pytest.approx(1.6 / 0.008), "host_cpu")
+    # A core per edge, the same costs: 2 / 5 ms.
+    assert scale.deployment_plan(run, args, 2, 4.0, cores=None)["predicted_groups_per_s"] == pytest.approx(400.0)
+    figures = scale.deployment_figures(run | {"offered_submissions_per_s": 600.0, "held_fraction": 0.33,
+                                              "latency": {}, "error_fraction": 0.0, "errors": {},
+                                              "error_examples": {}, "unfinished_nodes": 0, "load_avg": 2.0},
+                                       args, 2, 4.0)
+    assert figures["predicted_ratio"] == pytest.approx(1.0)
+    assert figures["predicted_idle_machine_groups_per_s"] == pytest.approx(250.0)  # 2 cores / 8 ms
+    # The second edge's gain on the idle machine: 250 against one edge's 1 / 5 ms = 200.
+    assert scale.edge_scaling_cpu_bound(run, args, 4.0) == pytest.approx(1.25)
+    # Out of sample: a run that held 150 groups/s with 1.2 cores left to it, predicted from the costs above.
+    other = dict(run, nodes=900, submissions_per_s=150.0, other_cores=0.8)
+    assert scale.predicted_from(run, other, args, 2, 4.0) == {"predicted_groups_per_s": 150.0,
+                                                            "predicted_ratio": 1.0}
