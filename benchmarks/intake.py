@@ -20,6 +20,7 @@ import argparse
 import asyncio
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -211,6 +212,7 @@ def main() -> int:
         echo.terminate()
         coord.wait(timeout=30)
         echo.wait(timeout=30)
+        shutil.rmtree(root, ignore_errors=True)
     intake_rate = intake_n / seconds
     echo_rate = echo_n / seconds
     lat_ms = np.array(lat) * 1000 if lat else np.array([float("nan")])
