@@ -58,6 +58,10 @@ class LeaseBudget:
         return 1000 if self.rate <= 0 else max(1000, int(missing / self.rate * 1000))
 
 
+EXPIRE_EVERY_MS = 250
+"""How often at most a lease op expires past-deadline leases before issuing (housekeeping: every second)."""
+
+
 class LeaseDesk:
     def __init__(self, cfg: CoordinatorConfig, db: st.Database, *, environment, renderer: PromptRenderer,
                  policy: PolicyState, metrics: CoordinatorMetrics, clock: Callable[[], int], stop_token_ids: list[int],
@@ -77,6 +81,7 @@ class LeaseDesk:
         # Several edge processes draw from one stream each: a salt keeps them from drawing the same prompts.
         salt = f":{secrets.token_hex(8)}" if cfg.role == "edge" else ""
         self._rng = random.Random(f"{cfg.environment.seed}:{drawn}{salt}")
+        self._expired_at = -EXPIRE_EVERY_MS  # the clock (ms) when a lease op last expired leases
 
     def _draw_prompt(self, conn) -> tuple[int, list[int], str]:
         """Draw the next prompt of the stream and store it as leased: its id, token ids and environment."""
@@ -123,7 +128,11 @@ class LeaseDesk:
         fresh = [(secrets.token_hex(12), random_seeds(lc.group_size)) for _ in range(wanted)]
 
         def op(conn):
-            expired = st.expire_leases(conn, now)
+            # Housekeeping expires leases every second; a lease op does too, at most every EXPIRE_EVERY_MS,
+            # so that a node's lapsed leases free its slots promptly without a scan per lease.
+            expired = 0
+            if now - self._expired_at >= EXPIRE_EVERY_MS:
+                expired, self._expired_at = st.expire_leases(conn, now), now
             if st.queued_groups(conn) >= lc.queue_maxsize:
                 return [], expired, "backpressure"
             k = min(wanted, max_open - st.open_leases_of(conn, node.node_id))

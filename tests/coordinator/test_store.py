@@ -91,6 +91,35 @@ def test_an_op_that_raises_rolls_back_alone_and_reaches_its_async_caller(store_t
     db.close()
 
 
+def test_a_failing_op_in_a_batch_leaves_the_others_committed_exactly_once(store_target):
+    """The batch runs without savepoints first; one op raising rolls that attempt back and the batch runs
+    again with a savepoint per op: the others' effects land once, the failing op's not at all."""
+    db = st.Database(store_target)
+    started, gate = threading.Event(), threading.Event()
+
+    def bump(name):
+        def op(conn):
+            st.kv_set(conn, name, (st.kv_get(conn, name) or 0) + 1)
+            return name
+        return op
+
+    def bad(conn):
+        st.kv_set(conn, "bad", 1)
+        raise ValueError("boom")
+
+    blocker = db.submit(lambda c: (started.set(), gate.wait(10)))
+    started.wait(10)
+    # Queued behind the blocker, so the writer takes them as one batch.
+    futures = [db.submit(bump("a")), db.submit(bad), db.submit(bump("b"))]
+    gate.set()
+    blocker.result(timeout=10)
+    assert futures[0].result(timeout=10) == "a" and futures[2].result(timeout=10) == "b"
+    with pytest.raises(ValueError, match="boom"):
+        futures[1].result(timeout=10)
+    assert db.run_sync(lambda c: (st.kv_get(c, "a"), st.kv_get(c, "b"), st.kv_get(c, "bad"))) == (1, 1, None)
+    db.close()
+
+
 def test_text_codec_gives_the_tokenizers_ids_and_text(tmp_path):
     from support import build_tiny_checkpoint
     from transformers import AutoTokenizer
