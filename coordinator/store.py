@@ -434,36 +434,40 @@ class Database:
         return results
 
     def read(self, fn: Callable[[sqlite3.Connection], T]) -> concurrent.futures.Future:
-        """Run a read-only ``fn`` on the reader connection: no write lock, no fsync, sees committed data."""
+        """Run a read-only ``fn`` on the reader connection: no write lock, no fsync, sees committed data (on
+        PostgreSQL, all of ``fn``'s statements the same snapshot of it)."""
         if self._closed:
             raise RuntimeError("database is closed")
         return self._reader.submit(self._read_one, fn)
 
-    def _read_one(self, fn):
+    def _read_one(self, fn, inline: bool = False):
         conn = getattr(self._local, "conn", None)
         if conn is None:
             conn = self._local.conn = connect(self.path)
             self._reader_conns.append(conn)
+        if isinstance(conn, store_pg.PgConnection):
+            return conn.read(fn, short=inline)  # one snapshot for all of fn's statements
         return fn(conn)
 
     async def run_read(self, fn: Callable[[sqlite3.Connection], T], *, inline: bool = False) -> T:
         """``read`` for a coroutine: the result is set on the caller's loop directly. ``inline``: a short read
         (a few rows by key) on a SQLite file runs on the caller's thread, where the hop to the reader thread
-        and back would cost more than the read (WAL: a reader does not wait for the writer)."""
+        and back would cost more than the read (WAL: a reader does not wait for the writer); on PostgreSQL
+        it skips the snapshot transaction when it is one statement (``PgConnection.read``)."""
         if self._closed:
             raise RuntimeError("database is closed")
         if inline and isinstance(self.path, Path):
             return self._read_one(fn)
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
-        self._reader.submit(self._read_into, _Op(fn, fut, loop))
+        self._reader.submit(self._read_into, _Op(fn, fut, loop), inline)
         return await fut
 
-    def _read_into(self, op: _Op) -> None:
+    def _read_into(self, op: _Op, inline: bool) -> None:
         if not op.start():
             return
         try:
-            value = self._read_one(op.fn)
+            value = self._read_one(op.fn, inline)
         except BaseException as exc:  # noqa: BLE001 - handed to the caller, not swallowed
             _answer([(op, False, exc)])
         else:
@@ -532,8 +536,9 @@ def count_rejection(conn: sqlite3.Connection, node_id: str, reason: str, lease_i
 
 
 def queued_groups(conn: sqlite3.Connection) -> int:
-    """Accepted groups waiting for the trainer (neither consumed nor dropped), in O(1)."""
-    return int(conn.execute("SELECT value FROM counters WHERE name = 'queued_groups'").fetchone()[0])
+    """Accepted groups waiting for the trainer (neither consumed nor dropped), in O(1): the counter's rows
+    summed (one on SQLite, one per writer slot on PostgreSQL: ``store_pg.COUNTER_SLOTS``)."""
+    return int(conn.execute("SELECT COALESCE(SUM(value), 0) FROM counters WHERE name = 'queued_groups'").fetchone()[0])
 
 
 def rejections_by_reason(conn: sqlite3.Connection, node_id: str | None = None) -> dict[str, int]:
@@ -743,8 +748,8 @@ def open_leases_of(conn: sqlite3.Connection, node_id: str) -> int:
 
 def open_lease_totals(conn: sqlite3.Connection) -> tuple[int, int]:
     """(open leases, open leases issued to probation nodes), in O(1) from the trigger-kept counters."""
-    rows = dict(conn.execute("SELECT name, value FROM counters WHERE name IN ('open_leases', 'open_probation_leases')")
-                .fetchall())
+    rows = dict(conn.execute("SELECT name, SUM(value) FROM counters WHERE name IN ('open_leases', 'open_probation_leases') "
+                             "GROUP BY name").fetchall())
     return int(rows.get("open_leases", 0)), int(rows.get("open_probation_leases", 0))
 
 
@@ -828,14 +833,28 @@ def insert_lease(conn: sqlite3.Connection, lease: LeaseRecord) -> None:
     )
 
 
-def load_lease(conn: sqlite3.Connection, lease_id: str) -> tuple[sqlite3.Row | None, dict | None, dict | None]:
-    """A lease row, its prompt, and the group already accepted for it (if any)."""
-    row = conn.execute("SELECT * FROM leases WHERE lease_id = ?", (lease_id,)).fetchone()
+LEASE_COLUMNS = ("lease_id", "node_id", "prompt_id", "group_size", "temperature", "max_new_tokens", "seeds",
+                 "stop_token_ids", "policy_version", "issued_ms", "deadline_ms", "state", "probation")
+PROMPT_COLUMNS = ("prompt_id", "env", "text", "answer", "meta", "prompt_ids", "state", "attempts")
+_LOAD_LEASE = ("SELECT " + ", ".join([f"l.{c}" for c in LEASE_COLUMNS] + [f"p.{c}" for c in PROMPT_COLUMNS])
+               + ", g.group_id, g.content_hash FROM leases l JOIN prompts p ON p.prompt_id = l.prompt_id "
+               "LEFT JOIN groups g ON g.lease_id = l.lease_id WHERE l.lease_id = ?")
+
+
+def load_lease(conn: sqlite3.Connection, lease_id: str) -> tuple[dict | None, dict | None, dict | None]:
+    """A lease row, its prompt, and the group already accepted for it (if any).
+
+    One statement, so the three are one snapshot on either backend without a transaction around it, and one
+    round trip on PostgreSQL: the intake reads it for every submitted group."""
+    row = conn.execute(_LOAD_LEASE, (lease_id,)).fetchone()
     if row is None:
         return None, None, None
-    prompt = dict(conn.execute("SELECT * FROM prompts WHERE prompt_id = ?", (row["prompt_id"],)).fetchone())
-    group = conn.execute("SELECT group_id, content_hash FROM groups WHERE lease_id = ?", (lease_id,)).fetchone()
-    return row, prompt, dict(group) if group else None
+    values = tuple(row)
+    prompt_at, group_at = len(LEASE_COLUMNS), len(LEASE_COLUMNS) + len(PROMPT_COLUMNS)
+    group_id, content_hash = values[group_at:]
+    return (dict(zip(LEASE_COLUMNS, values[:prompt_at], strict=True)),
+            dict(zip(PROMPT_COLUMNS, values[prompt_at:group_at], strict=True)),
+            None if group_id is None else {"group_id": group_id, "content_hash": content_hash})
 
 
 def spend_lease(conn: sqlite3.Connection, lease_id: str, prompt_id: int) -> bool:
@@ -1030,7 +1049,10 @@ def observer_snapshot(conn: sqlite3.Connection) -> dict:
 
 
 def read_transaction(conn: sqlite3.Connection):
-    """A context manager: one consistent snapshot for several reads on a reader connection."""
+    """A context manager: one consistent snapshot for several reads on a reader connection (on PostgreSQL,
+    ``Database`` reads run in one already: the block joins it)."""
+    if isinstance(conn, store_pg.PgConnection):
+        return conn.snapshot()
     return _ReadTransaction(conn)
 
 
