@@ -208,6 +208,16 @@ SELECT 'queued_groups', (SELECT COUNT(*) FROM groups WHERE consumed_step IS NULL
 WHERE NOT EXISTS (SELECT 1 FROM counters WHERE name = 'queued_groups')
 """
 
+# The number of prompts drawn from the stream (it resumes from the seed and this number), kept like the
+# others; a kv row before, which every lease of a fresh prompt updated: on PostgreSQL, one row every edge
+# process's writer queued on. Its value moves over once.
+_INIT_DRAW_COUNTER = """
+INSERT INTO counters(name, value)
+SELECT 'prompts_drawn', COALESCE((SELECT CAST(value AS INTEGER) FROM kv WHERE key = 'prompts_drawn'), 0)
+WHERE NOT EXISTS (SELECT 1 FROM counters WHERE name = 'prompts_drawn');
+DELETE FROM kv WHERE key = 'prompts_drawn';
+"""
+
 
 # The node process that holds each key (see ``other_live_session``): columns added to older databases.
 _SESSION_COLUMNS = {"session_id": "TEXT NOT NULL DEFAULT ''", "session_address": "TEXT NOT NULL DEFAULT ''",
@@ -297,6 +307,8 @@ def connect(path: str | Path) -> sqlite3.Connection:
     conn.executescript(_LEASE_COUNTERS)
     if conn.execute("SELECT COUNT(*) FROM counters WHERE name IN ('open_leases', 'open_probation_leases')").fetchone()[0] < 2:
         conn.executescript("BEGIN IMMEDIATE;" + _INIT_LEASE_COUNTERS + "COMMIT;")
+    if conn.execute("SELECT 1 FROM counters WHERE name = 'prompts_drawn'").fetchone() is None:
+        conn.executescript("BEGIN IMMEDIATE;" + _INIT_DRAW_COUNTER + "COMMIT;")
     return conn
 
 
@@ -770,8 +782,8 @@ def insert_leased_prompt(conn: sqlite3.Connection, env: str, text: str, answer: 
     row = conn.execute("INSERT INTO prompts(env, text, answer, meta, prompt_ids, state, attempts) "
                        "VALUES(?, ?, ?, ?, ?, ?, 1) RETURNING prompt_id",
                        (env, text, answer, json.dumps(meta), pack_i32(prompt_ids), PromptState.LEASED)).fetchone()
-    conn.execute("INSERT INTO kv(key, value) VALUES('prompts_drawn', '1') "
-                 "ON CONFLICT(key) DO UPDATE SET value = CAST(kv.value AS INTEGER) + 1")
+    # /*SLOT*/: on PostgreSQL, this writer's own row of the counter (store_pg.COUNTER_SLOTS).
+    conn.execute("UPDATE counters SET value = value + 1 WHERE name = 'prompts_drawn' /*SLOT*/")
     return int(row[0])
 
 
@@ -789,7 +801,8 @@ def forget_nonces(conn: sqlite3.Connection, now_ms: int) -> int:
 
 
 def prompts_drawn(conn: sqlite3.Connection) -> int:
-    return int(kv_get(conn, "prompts_drawn", 0))
+    """Prompts drawn from the stream so far, by every process (the counter's rows summed)."""
+    return int(conn.execute("SELECT COALESCE(SUM(value), 0) FROM counters WHERE name = 'prompts_drawn'").fetchone()[0])
 
 
 @dataclass(frozen=True)

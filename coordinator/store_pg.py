@@ -153,12 +153,12 @@ CREATE TABLE IF NOT EXISTS edges (
 # --- counters: one row per (counter, writer slot) ------------------------------------------------------------
 
 COUNTER_SLOTS = 32
-"""Each counter (queued groups, open leases, open probation leases) is this many rows, one per writer slot.
-A trigger adds to its own connection's slot, so two processes' write transactions never queue on one
-counter row, whose lock each would hold to its COMMIT; readers sum a counter's slots. A connection claims a
-free slot when it first begins a write transaction (:meth:`PgConnection.execute`); one that found none
-free, or never claimed (a single autocommit statement), adds to slot ``pg_backend_pid() % COUNTER_SLOTS``:
-right, only not free of contention."""
+"""Each counter (queued groups, open leases, open probation leases, prompts drawn) is this many rows, one
+per writer slot. A writer adds to its own connection's slot (triggers; ``/*SLOT*/`` in a statement), so two
+processes' write transactions never queue on one counter row, whose lock each would hold to its COMMIT;
+readers sum a counter's slots. A connection claims a free slot when it first begins a write transaction
+(``PgConnection._run``); one that found none free, or never claimed (a single autocommit statement), adds
+to slot ``pg_backend_pid() % COUNTER_SLOTS``: right, only not free of contention."""
 
 SLOT_LOCK = 7_294_018
 """First key of the session advisory locks ``(SLOT_LOCK, slot)`` that hold a claimed slot until the
@@ -241,8 +241,13 @@ ON CONFLICT (name, slot) DO NOTHING;
 INSERT INTO counters(name, slot, value)
 SELECT 'open_probation_leases', 0, (SELECT COUNT(*) FROM leases WHERE state = 'open' AND probation = 1)
 ON CONFLICT (name, slot) DO NOTHING;
+-- Prompts drawn, a kv row before (store.py's _INIT_DRAW_COUNTER says why): its value moves to slot 0.
 INSERT INTO counters(name, slot, value)
-SELECT name, slot, 0 FROM unnest(ARRAY['queued_groups', 'open_leases', 'open_probation_leases']) AS name,
+SELECT 'prompts_drawn', 0, COALESCE((SELECT CAST(value AS BIGINT) FROM kv WHERE key = 'prompts_drawn'), 0)
+ON CONFLICT (name, slot) DO NOTHING;
+DELETE FROM kv WHERE key = 'prompts_drawn';
+INSERT INTO counters(name, slot, value)
+SELECT name, slot, 0 FROM unnest(ARRAY['queued_groups', 'open_leases', 'open_probation_leases', 'prompts_drawn']) AS name,
                           generate_series(0, {COUNTER_SLOTS - 1}) AS slot
 ON CONFLICT (name, slot) DO NOTHING;
 """
@@ -319,7 +324,8 @@ def translate(sql: str) -> str:
     """SQLite's dialect of the store's statements, as PostgreSQL reads them."""
     if sql.strip().upper() == "BEGIN IMMEDIATE":
         return "BEGIN"
-    return sql.replace("?", "%s").replace("/*SKIP LOCKED*/", "FOR UPDATE SKIP LOCKED")
+    return (sql.replace("?", "%s").replace("/*SKIP LOCKED*/", "FOR UPDATE SKIP LOCKED")
+            .replace("/*SLOT*/", "AND slot = veriroll_counter_slot()"))
 
 
 SNAPSHOT_BEGIN = "BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY"

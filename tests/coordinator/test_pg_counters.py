@@ -1,6 +1,7 @@
-"""PostgreSQL with several writer processes: the trigger-kept counters are one row per writer slot, so two
-writers' transactions never queue on a counter row and the summed slots still equal the rows; an old
-single-row counters table migrates with its values; and a read of several statements sees one snapshot.
+"""PostgreSQL with several writer processes: the counters (kept by triggers, and prompts drawn) are one row
+per writer slot, so two writers' transactions never queue on a counter row and the summed slots still equal
+the rows; an old single-row counters table migrates with its values (prompts drawn from kv); and a read of
+several statements sees one snapshot.
 PostgreSQL runs as a throwaway cluster (tests/pg_cluster.py), skipped where it cannot."""
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from veriroll.coordinator import store_pg
 
 HANG_GUARD_S = 120  # a wait that never ends fails here instead of hanging the run; not a time limit
 LOCK_TIMEOUT = "&options=-c%20lock_timeout%3D2000"  # a lock wait fails (55P03) instead of hanging
+COUNTERS = ("open_leases", "open_probation_leases", "queued_groups", "prompts_drawn")  # as counted() orders them
 
 
 def lease(lease_id: str, prompt_id: int, *, probation: bool, deadline: int = 10_000) -> st.LeaseRecord:
@@ -31,31 +33,26 @@ def group(lease_id: str, prompt_id: int) -> st.AcceptedGroup:
                             samples=[(st.pack_i32([5, 6, 2]), st.pack_f32([-1, -1, -1]), None, "stop")])
 
 
-def prompts(db: st.Database, n: int) -> list[int]:
-    """``n`` leased prompts, made beforehand: drawing one counts the draw in a kv row that every writer
-    would update, a contention of its own that these tests keep out of the writers they run at once."""
-    return db.run_sync(lambda c: [st.insert_leased_prompt(c, "e", f"p{i}", "a", {}, [1, 2]) for i in range(n)])
-
-
-def lease_and_group(conn, name: str, prompt_id: int, *, probation: bool, accept: bool,
-                    deadline: int = 10_000) -> None:
-    """An open lease of ``prompt_id``, and the group for it when ``accept``: each a counter change."""
+def lease_and_group(conn, name: str, *, probation: bool, accept: bool, deadline: int = 10_000) -> None:
+    """A freshly drawn prompt and its open lease, and the group for it when ``accept``: each a counter change."""
+    prompt_id = st.insert_leased_prompt(conn, "e", name, "a", {}, [1, 2])
     st.insert_lease(conn, lease(name, prompt_id, probation=probation, deadline=deadline))
     if accept:
         assert st.accept_group(conn, group(name, prompt_id), probation_groups=1) is not None
 
 
-def counted(conn) -> tuple[int, int, int]:
-    """(open leases, open probation leases, queued groups) counted from the rows themselves."""
+def counted(conn) -> tuple[int, int, int, int]:
+    """(open leases, open probation leases, queued groups, prompts drawn) counted from the rows themselves."""
     one = lambda sql: int(conn.execute(sql).fetchone()[0])  # noqa: E731
     return (one("SELECT COUNT(*) FROM leases WHERE state = 'open'"),
             one("SELECT COUNT(*) FROM leases WHERE state = 'open' AND probation = 1"),
-            one("SELECT COUNT(*) FROM groups WHERE consumed_step IS NULL AND dropped IS NULL"))
+            one("SELECT COUNT(*) FROM groups WHERE consumed_step IS NULL AND dropped IS NULL"),
+            one("SELECT COUNT(*) FROM prompts"))
 
 
-def summed(conn) -> tuple[int, int, int]:
-    """The same three from the counters, as the store's readers see them."""
-    return (*st.open_lease_totals(conn), st.queued_groups(conn))
+def summed(conn) -> tuple[int, int, int, int]:
+    """The same four from the counters, as the store's readers see them."""
+    return (*st.open_lease_totals(conn), st.queued_groups(conn), st.prompts_drawn(conn))
 
 
 def claimed_slot(db: st.Database) -> str:
@@ -64,15 +61,14 @@ def claimed_slot(db: st.Database) -> str:
 
 def test_two_writers_at_once_keep_the_summed_counters_equal_to_the_rows(pg_url):
     first, second = st.Database(pg_url), st.Database(pg_url)
-    prompt_ids = {"a": prompts(first, 60), "b": prompts(first, 60)}
     start = threading.Barrier(2)
 
     def write(db: st.Database, who: str) -> None:
         start.wait(timeout=HANG_GUARD_S)
         futures = []
-        for i, prompt_id in enumerate(prompt_ids[who]):  # queued without waiting: committed in batches
-            futures.append(db.submit(lambda c, name=f"{who}-{i}", i=i, prompt_id=prompt_id: lease_and_group(
-                c, name, prompt_id, probation=i % 2 == 0, accept=i % 3 == 0, deadline=10 if i % 5 == 0 else 10_000)))
+        for i in range(60):  # queued without waiting: the writer commits them in batches
+            futures.append(db.submit(lambda c, name=f"{who}-{i}", i=i: lease_and_group(
+                c, name, probation=i % 2 == 0, accept=i % 3 == 0, deadline=10 if i % 5 == 0 else 10_000)))
         for f in futures:
             f.result(timeout=HANG_GUARD_S)
         # Each writer also changes rows the other one inserted: those deltas land in its own slot.
@@ -99,13 +95,12 @@ def test_a_writer_does_not_wait_for_another_writers_open_transaction(pg_url):
     one row per counter the second would wait for the first's COMMIT: here its lock_timeout would fail it."""
     psycopg = pytest.importorskip("psycopg")
     held, other = st.Database(pg_url), st.Database(pg_url + LOCK_TIMEOUT)
-    p = prompts(held, 5)
-    held_slot = claimed_slot(held)  # claimed by its first write transaction (prompts)
+    held_slot = claimed_slot(held)  # claimed by its first write transaction
     inside, release = threading.Event(), threading.Event()
 
     def hold_open(conn):
-        lease_and_group(conn, "held", p[0], probation=True, accept=True)
-        lease_and_group(conn, "held-open", p[1], probation=True, accept=False)
+        lease_and_group(conn, "held", probation=True, accept=True)
+        lease_and_group(conn, "held-open", probation=True, accept=False)
         inside.set()
         assert release.wait(HANG_GUARD_S)
 
@@ -114,8 +109,8 @@ def test_a_writer_does_not_wait_for_another_writers_open_transaction(pg_url):
         assert inside.wait(HANG_GUARD_S)
 
         def meanwhile(conn):
-            lease_and_group(conn, "other", p[2], probation=True, accept=True)
-            lease_and_group(conn, "other-open", p[3], probation=True, accept=False)
+            lease_and_group(conn, "other", probation=True, accept=True)
+            lease_and_group(conn, "other-open", probation=True, accept=False)
 
         other.run_sync(meanwhile)
         committed_first = holding.done()
@@ -125,7 +120,7 @@ def test_a_writer_does_not_wait_for_another_writers_open_transaction(pg_url):
         same_slot.execute("SELECT set_config('veriroll.counter_slot', ?, false)", (held_slot,))
         same_slot.execute("BEGIN")
         with pytest.raises(psycopg.errors.LockNotAvailable):
-            lease_and_group(same_slot, "same-slot", p[4], probation=False, accept=False)
+            lease_and_group(same_slot, "same-slot", probation=False, accept=False)
         same_slot.execute("ROLLBACK")
         same_slot.close()
         release.set()
@@ -136,23 +131,23 @@ def test_a_writer_does_not_wait_for_another_writers_open_transaction(pg_url):
         held.close()
         other.close()
     assert not committed_first
-    assert seen_meanwhile == (1, 1, 1)  # the other writer's rows only: the held ones were not committed
-    assert after[0] == after[1] == (2, 2, 2)
+    assert seen_meanwhile == (1, 1, 1, 2)  # the other writer's rows only: the held ones were not committed
+    assert after[0] == after[1] == (2, 2, 2, 4)
 
 
 def test_an_old_single_row_counters_table_becomes_slots_with_its_values(pg_url):
     db = st.Database(pg_url)
-    p = prompts(db, 8)
     for i in range(6):
-        db.run_sync(lambda c, i=i: lease_and_group(c, f"old-{i}", p[i], probation=i < 2, accept=i % 2 == 1))
+        db.run_sync(lambda c, i=i: lease_and_group(c, f"old-{i}", probation=i < 2, accept=i % 2 == 1))
     db.close()
     old = st.connect(pg_url)
     before = counted(old)
-    # The layout before slots: one row per counter, and the schema's fingerprint of that time.
+    # The layout before slots: one row per counter, prompts drawn in kv, the schema's fingerprint of then.
     old.execute("DROP TABLE counters")
     old.execute("CREATE TABLE counters (name TEXT PRIMARY KEY, value BIGINT NOT NULL)")
-    for name, value in zip(("open_leases", "open_probation_leases", "queued_groups"), before, strict=True):
+    for name, value in zip(COUNTERS[:3], before, strict=False):
         old.execute("INSERT INTO counters(name, value) VALUES(?, ?)", (name, value))
+    st.kv_set(old, "prompts_drawn", before[3])
     old.execute("COMMENT ON TABLE nodes IS 'veriroll schema 0123456789abcdef'")
     old.close()
 
@@ -161,22 +156,22 @@ def test_an_old_single_row_counters_table_becomes_slots_with_its_values(pg_url):
         rows = db.read(lambda c: c.execute("SELECT name, slot, value FROM counters ORDER BY name, slot").fetchall()
                        ).result(timeout=HANG_GUARD_S)
         migrated = db.read(summed).result(timeout=HANG_GUARD_S)
-        db.run_sync(lambda c: lease_and_group(c, "new", p[6], probation=True, accept=True))
-        db.run_sync(lambda c: lease_and_group(c, "new-open", p[7], probation=True, accept=False))
+        db.run_sync(lambda c: lease_and_group(c, "new", probation=True, accept=True))
+        db.run_sync(lambda c: lease_and_group(c, "new-open", probation=True, accept=False))
         after = db.read(lambda c: (summed(c), counted(c))).result(timeout=HANG_GUARD_S)
+        left_in_kv = db.read(lambda c: st.kv_get(c, "prompts_drawn")).result(timeout=HANG_GUARD_S)
         mark = db.read(lambda c: c.execute("SELECT obj_description(to_regclass('nodes'), 'pg_class')").fetchone()[0]
                        ).result(timeout=HANG_GUARD_S)
     finally:
         db.close()
-    assert before == (3, 1, 3)
+    assert before == (3, 1, 3, 6)
     by_name = {}
     for name, slot, value in rows:
         by_name.setdefault(name, {})[slot] = value
     assert by_name == {name: {0: value, **{s: 0 for s in range(1, store_pg.COUNTER_SLOTS)}}
-                       for name, value in zip(("open_leases", "open_probation_leases", "queued_groups"), before,
-                                              strict=True)}
-    assert migrated == before
-    assert after[0] == after[1] == (4, 2, 4)
+                       for name, value in zip(COUNTERS, before, strict=True)}
+    assert migrated == before and left_in_kv is None
+    assert after[0] == after[1] == (4, 2, 4, 8)
     assert mark == store_pg.SCHEMA_MARK
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import random
 import threading
+from pathlib import Path
 
 import pytest
 
@@ -48,6 +49,21 @@ def test_queued_groups_starts_from_the_rows_of_an_older_database(tmp_path):
     assert st.queued_groups(conn) == 6
     insert_group(conn, 99)
     assert st.queued_groups(conn) == counted(conn) == 7
+    conn.close()
+
+
+def test_prompts_drawn_moves_from_kv_to_a_counter_with_its_value(store_target):
+    """A database from before the counter kept the number of draws (the prompt stream's position) in kv."""
+    conn = st.connect(store_target)
+    conn.execute("DELETE FROM counters WHERE name = 'prompts_drawn'")
+    st.kv_set(conn, "prompts_drawn", 41)
+    if not isinstance(store_target, Path):  # PostgreSQL runs its schema again only for another fingerprint
+        conn.execute("COMMENT ON TABLE nodes IS 'an older schema'")
+    conn.close()
+    conn = st.connect(store_target)
+    moved, left = st.prompts_drawn(conn), st.kv_get(conn, "prompts_drawn")
+    st.insert_leased_prompt(conn, "e", "1+1=", "2", {}, [1, 2])  # no write transaction: slot by backend pid
+    assert (moved, left, st.prompts_drawn(conn)) == (41, None, 42)
     conn.close()
 
 
