@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from veriroll.coordinator import store as st
+from veriroll.coordinator import store_pg
 
 
 def insert_group(conn, i: int) -> None:
@@ -151,3 +152,55 @@ def test_bounded_text_reads_only_what_the_cut_needs():
     t0 = time.perf_counter()
     assert st.bounded_text(huge, 64) == "y" * 64
     assert time.perf_counter() - t0 < 0.5
+
+
+def test_load_lease_is_one_statement_with_the_lease_its_prompt_and_its_group(store_target):
+    """The intake's lease read, for every submitted group: one statement (one snapshot, one round trip)."""
+    db = st.Database(store_target)
+
+    def script(conn):
+        prompt_id = st.insert_leased_prompt(conn, "e", "1+1=", "2", {"k": 1}, [1, 5, 6])
+        for lease_id in ("L1", "L2"):
+            st.insert_lease(conn, st.LeaseRecord(
+                lease_id=lease_id, node_id="n", prompt_id=prompt_id, group_size=1, temperature=0.5,
+                max_new_tokens=3, seeds=(7,), stop_token_ids=(2,), policy_version=4, issued_ms=1, deadline_ms=9,
+                state=st.LeaseState.OPEN, probation=True))
+        gid = st.accept_group(conn, st.AcceptedGroup(
+            lease_id="L2", node_id="n", prompt_id=prompt_id, env="e", policy_version=4, temperature=0.5,
+            arrival_ms=2, content_hash="c2", tokens=3, rewards=[1.0], verified=False, clean=True,
+            samples=[(st.pack_i32([5, 6, 2]), st.pack_f32([-1, -1, -1]), None, "stop")]), probation_groups=9)
+        return gid
+
+    def statements(conn, fn) -> int:
+        if isinstance(conn, store_pg.PgConnection):
+            before = conn.statements
+            fn(conn)
+            return conn.statements - before
+        seen = []
+        conn.set_trace_callback(seen.append)
+        try:
+            fn(conn)
+        finally:
+            conn.set_trace_callback(None)
+        return len(seen)
+
+    def loads(conn):
+        counts = {statements(conn, lambda c, lease_id=lease_id: st.load_lease(c, lease_id)) for lease_id in ("L1", "L2")}
+        return (st.load_lease(conn, "L1"), st.load_lease(conn, "L2"), st.load_lease(conn, "nope")), counts
+
+    try:
+        gid = db.run_sync(script)
+        ((lease, prompt, prior), (_, _, accepted), missing), counts = db.read(loads).result()
+    finally:
+        db.close()
+    conn = st.connect(store_target)
+    lease_columns = [d[0] for d in conn.execute("SELECT * FROM leases LIMIT 0").description]
+    prompt_columns = [d[0] for d in conn.execute("SELECT * FROM prompts LIMIT 0").description]
+    conn.close()
+    assert list(lease) == lease_columns and list(prompt) == prompt_columns  # every column, by name
+    record = st.LeaseRecord.from_row(lease)
+    assert (record.lease_id, record.seeds, record.policy_version, record.state, record.probation) == (
+        "L1", (7,), 4, st.LeaseState.OPEN, True)
+    assert (prompt["env"], prompt["answer"], st.unpack_i32(prompt["prompt_ids"]).tolist()) == ("e", "2", [1, 5, 6])
+    assert prior is None and accepted == {"group_id": gid, "content_hash": "c2"}
+    assert missing == (None, None, None) and counts == {1}
