@@ -447,39 +447,40 @@ class Database:
 
     def read(self, fn: Callable[[sqlite3.Connection], T]) -> concurrent.futures.Future:
         """Run a read-only ``fn`` on the reader connection: no write lock, no fsync, sees committed data (on
-        PostgreSQL, all of ``fn``'s statements the same snapshot of it)."""
+        PostgreSQL, all of ``fn``'s statements one snapshot of it, begun first: the trainer's reads, which
+        take several)."""
         if self._closed:
             raise RuntimeError("database is closed")
-        return self._reader.submit(self._read_one, fn)
+        return self._reader.submit(self._read_one, fn, False)
 
-    def _read_one(self, fn, inline: bool = False):
+    def _read_one(self, fn, probe: bool = True):
         conn = getattr(self._local, "conn", None)
         if conn is None:
             conn = self._local.conn = connect(self.path)
             self._reader_conns.append(conn)
         if isinstance(conn, store_pg.PgConnection):
-            return conn.read(fn, short=inline)  # one snapshot for all of fn's statements
+            return conn.read(fn, probe=probe)
         return fn(conn)
 
     async def run_read(self, fn: Callable[[sqlite3.Connection], T], *, inline: bool = False) -> T:
         """``read`` for a coroutine: the result is set on the caller's loop directly. ``inline``: a short read
         (a few rows by key) on a SQLite file runs on the caller's thread, where the hop to the reader thread
-        and back would cost more than the read (WAL: a reader does not wait for the writer); on PostgreSQL
-        it skips the snapshot transaction when it is one statement (``PgConnection.read``)."""
+        and back would cost more than the read (WAL: a reader does not wait for the writer). On PostgreSQL
+        a read of one statement runs alone, one of more in one snapshot (``PgConnection.read``)."""
         if self._closed:
             raise RuntimeError("database is closed")
         if inline and isinstance(self.path, Path):
             return self._read_one(fn)
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
-        self._reader.submit(self._read_into, _Op(fn, fut, loop), inline)
+        self._reader.submit(self._read_into, _Op(fn, fut, loop))
         return await fut
 
-    def _read_into(self, op: _Op, inline: bool) -> None:
+    def _read_into(self, op: _Op) -> None:
         if not op.start():
             return
         try:
-            value = self._read_one(op.fn, inline)
+            value = self._read_one(op.fn)
         except BaseException as exc:  # noqa: BLE001 - handed to the caller, not swallowed
             _answer([(op, False, exc)])
         else:

@@ -331,6 +331,11 @@ def translate(sql: str) -> str:
 SNAPSHOT_BEGIN = "BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY"
 
 
+class _SnapshotNeeded(BaseException):
+    """A read probed outside a snapshot issued its second statement (see ``PgConnection.read``). A
+    BaseException, like GeneratorExit: control flow that a read's own ``except Exception`` must not catch."""
+
+
 class StoreUnavailable(Exception):
     """The PostgreSQL server cannot be reached now (restarting, stopped, network): the statement was not run,
     or its transaction was rolled back, or (the connection lost during COMMIT) it is unknown whether it
@@ -361,7 +366,8 @@ class PgConnection:
         self._next_attempt = 0.0
         self._conn = self._open()
         self._slot_claimed_on = None  # the psycopg connection (session) that claimed a counter slot
-        self.statements = 0  # statements run so far: tells :meth:`read` whether a read took more than one
+        self.statements = 0  # statements run on this connection so far
+        self._alone_until = float("inf")  # see read(): the last statement a read may run outside a snapshot
 
     def _open(self):
         try:
@@ -388,6 +394,8 @@ class PgConnection:
 
     def _run(self, sql: str, run):
         self.statements += 1
+        if self.statements > self._alone_until:
+            raise _SnapshotNeeded
         conn = self._usable(sql)
         try:
             if self._slot_claimed_on is not conn and sql.strip().upper() == "BEGIN IMMEDIATE":
@@ -418,6 +426,8 @@ class PgConnection:
         its first statement (under READ COMMITTED, PostgreSQL's default, each statement sees every commit
         made before it started, so a read of several tables could straddle another edge's commit). Inside
         a transaction already, the block joins it."""
+        if self._alone_until != float("inf"):
+            raise _SnapshotNeeded  # a read probed outside one (see read) asks for it: read begins it
         if self._in_transaction:
             yield self
             return
@@ -432,15 +442,22 @@ class PgConnection:
             raise
         self.execute("COMMIT")
 
-    def read(self, fn: Callable[[PgConnection], T], *, short: bool = False) -> T:
-        """``fn(self)``, a read, with all its statements in one snapshot. ``short``: ``fn`` is usually one
-        statement (a row by key, on a hot path), which is one snapshot by itself; it runs without BEGIN and
-        COMMIT (two round trips more than the read), and again in a snapshot only if it ran more."""
-        if short:
-            before = self.statements
-            value = fn(self)
-            if self.statements - before <= 1:
-                return value
+    def read(self, fn: Callable[[PgConnection], T], *, probe: bool = True) -> T:
+        """``fn(self)``, a read, with all its statements in one snapshot.
+
+        Most reads on the serving path are one statement (a row by key), which is one snapshot by itself:
+        with ``probe``, ``fn`` runs without BEGIN and COMMIT (two round trips more than such a read), until
+        it issues a second statement; that one is not run, and ``fn`` starts again in a snapshot (its first
+        statement then ran twice). Without ``probe`` (reads known to take several), the snapshot comes first.
+        """
+        if probe:
+            self._alone_until = self.statements + 1
+            try:
+                return fn(self)
+            except _SnapshotNeeded:
+                pass
+            finally:
+                self._alone_until = float("inf")
         with self.snapshot():
             return fn(self)
 

@@ -213,9 +213,10 @@ def test_a_read_of_several_statements_sees_one_snapshot(pg_url):
     assert on_bare_connection == (2, 3)  # the control: READ COMMITTED straddles the commit
 
 
-def test_a_short_read_runs_alone_and_one_of_more_statements_runs_again_in_a_snapshot(pg_url):
-    """``run_read(inline=True)`` on PostgreSQL: one statement runs without BEGIN/COMMIT (it is one snapshot by
-    itself); a read that took more runs again, in one snapshot, and its answer is that run's."""
+def test_a_read_of_one_statement_runs_alone_and_one_of_more_starts_again_in_a_snapshot(pg_url):
+    """``run_read`` on PostgreSQL: one statement runs without BEGIN/COMMIT (it is one snapshot by itself); a
+    read's second statement is not run outside a snapshot: the read starts again in one, and its answer is
+    that run's. ``read`` (the trainer's) begins the snapshot first."""
     db = st.Database(pg_url)
     db.run_sync(lambda c: st.kv_set(c, "probe", 1))
     isolation = lambda c: c.execute("SELECT current_setting('transaction_isolation')").fetchone()[0]  # noqa: E731
@@ -229,19 +230,27 @@ def test_a_short_read_runs_alone_and_one_of_more_statements_runs_again_in_a_snap
         assert committed.wait(HANG_GUARD_S)
         return first, st.kv_get(conn, "probe")
 
+    def in_read_transaction(conn):
+        with st.read_transaction(conn):  # as the status API's read does: it joins the read's snapshot
+            return isolation(conn), st.kv_get(conn, "probe")
+
     async def scenario():
-        alone = await db.run_read(isolation, inline=True)
-        in_snapshot = await db.run_read(isolation)
-        reading = asyncio.ensure_future(db.run_read(two_statements, inline=True))
+        alone = await db.run_read(isolation)
+        first_in_snapshot = await asyncio.to_thread(lambda: db.read(isolation).result(HANG_GUARD_S))
+        reading = asyncio.ensure_future(db.run_read(two_statements))
         assert await asyncio.to_thread(between.wait, HANG_GUARD_S)
         await db.run(lambda c: st.kv_set(c, "probe", 2))
         committed.set()
-        return alone, in_snapshot, await reading
+        answer = await reading
+        nested = await db.run_read(in_read_transaction)
+        return alone, first_in_snapshot, answer, nested, await db.run_read(isolation)
 
     try:
-        alone, in_snapshot, answer = asyncio.run(scenario())
+        alone, first_in_snapshot, answer, nested, after = asyncio.run(scenario())
     finally:
         committed.set()
         db.close()
-    assert alone == "read committed" and in_snapshot == "repeatable read"
-    assert runs == ["read committed", "repeatable read"] and answer == (2, 2)
+    assert alone == "read committed" and first_in_snapshot == "repeatable read"
+    assert runs == ["read committed", "repeatable read"] and answer == (1, 1)
+    assert nested == ("repeatable read", 2)
+    assert after == "read committed"  # no transaction left open on the reader connection
