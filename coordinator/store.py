@@ -1341,8 +1341,22 @@ def return_to_bucket(conn: sqlite3.Connection, kind: str, key: str, rate: Bucket
 def bucket_level(conn: sqlite3.Connection, kind: str, key: str, rate: BucketRate, now_ms: float) -> float:
     """Tokens in the (kind, key) bucket at ``now_ms``: ``rate.burst`` when full, negative when in debt."""
     row = conn.execute("SELECT tat_ms FROM limit_buckets WHERE kind = ? AND key = ?", (kind, key)).fetchone()
-    tat_ms = now_ms if row is None else max(float(row[0]), now_ms)
-    return (now_ms + rate.tolerance_ms - tat_ms) / rate.interval_ms
+    return _level(now_ms if row is None else float(row[0]), rate, now_ms)
+
+
+def bucket_levels(conn: sqlite3.Connection, buckets: list[tuple[str, str, BucketRate]], now_ms: float) -> list[float]:
+    """:func:`bucket_level` of each ``(kind, key, rate)``, in one statement: a read of one statement is one
+    snapshot on PostgreSQL without a transaction around it (``PgConnection.read``), and one round trip."""
+    if not buckets:
+        return []
+    where = " OR ".join(["(kind = ? AND key = ?)"] * len(buckets))
+    tats = {(r[0], r[1]): float(r[2]) for r in conn.execute(
+        f"SELECT kind, key, tat_ms FROM limit_buckets WHERE {where}", [v for kind, key, _ in buckets for v in (kind, key)])}
+    return [_level(tats.get((kind, key), now_ms), rate, now_ms) for kind, key, rate in buckets]
+
+
+def _level(tat_ms: float, rate: BucketRate, now_ms: float) -> float:
+    return (now_ms + rate.tolerance_ms - max(tat_ms, now_ms)) / rate.interval_ms
 
 
 def forget_full_buckets(conn: sqlite3.Connection, now_ms: float) -> int:

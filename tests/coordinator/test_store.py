@@ -204,3 +204,17 @@ def test_load_lease_is_one_statement_with_the_lease_its_prompt_and_its_group(sto
     assert (prompt["env"], prompt["answer"], st.unpack_i32(prompt["prompt_ids"]).tolist()) == ("e", "2", [1, 5, 6])
     assert prior is None and accepted == {"group_id": gid, "content_hash": "c2"}
     assert missing == (None, None, None) and counts == {1}
+
+
+def test_bucket_levels_reads_several_buckets_in_one_statement_as_bucket_level_reads_each(store_target):
+    """The verifier budget's check on the serving path: one statement for every scope, one snapshot."""
+    conn = st.connect(store_target)
+    rate = st.BucketRate(per_s=2.0, burst=10.0)
+    assert st.take_from_bucket(conn, "a", "x", rate, 4.0, 1_000)
+    assert st.take_from_bucket(conn, "b", "x", rate, 12.0, 1_000, overdraw=True)
+    buckets = [("a", "x", rate), ("b", "x", rate), ("a", "missing", st.BucketRate(per_s=1.0, burst=3.0))]
+    levels = st.bucket_levels(conn, buckets, 1_500)
+    each = [st.bucket_level(conn, kind, key, r, 1_500) for kind, key, r in buckets]
+    none = st.bucket_levels(conn, [], 1_500)
+    conn.close()
+    assert levels == each and levels[0] == 7.0 and levels[1] < 0 and levels[2] == 3.0 and none == []
