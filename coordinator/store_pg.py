@@ -5,8 +5,9 @@
 placeholders become ``%s``, SQLite's ``BEGIN IMMEDIATE`` becomes ``BEGIN``, and rows answer by name and
 by position like ``sqlite3.Row``. The schema is the same tables with PostgreSQL's types, and the
 counters (queued groups, open leases) are kept by PL/pgSQL triggers in the same transaction as the
-change, as SQLite's triggers keep them, but split in one row per writer (see ``COUNTER_SLOTS``): on
-SQLite one writer holds the only lock anyway, here every edge process writes at once.
+change, as SQLite's triggers keep them, but split in one row per writer (see ``COUNTER_SLOTS``;
+``/*SLOT*/`` in a statement picks the writer's row): on SQLite one writer holds the only lock anyway, here
+every edge process writes at once. Reads see one snapshot (``PgConnection.read``).
 
 Guarantees are today's: the store's writer commits a batch of operations in one transaction and
 answers its callers only after COMMIT returned (``synchronous_commit`` on, PostgreSQL's default), so
