@@ -491,15 +491,16 @@ writer of another process that held row locks on two of those tables (seen in th
 def connect(url: str) -> PgConnection:
     """Open ``url`` and make sure the schema (tables, indexes, triggers, counters) is there."""
     conn = PgConnection(url)
-    if conn.execute("SELECT obj_description(to_regclass('nodes'), 'pg_class')").fetchone()[0] == SCHEMA_MARK:
+    if schema_mark(conn) == SCHEMA_MARK:
         return conn
     conn.execute("BEGIN")
     try:
         conn.execute("SELECT pg_advisory_xact_lock(?)", (SCHEMA_LOCK,))
-        conn._conn.execute(SCHEMA)
-        conn._conn.execute(COUNTERS_SCHEMA)
-        conn._conn.execute(VERIFY_JOBS_SCHEMA)
-        conn._conn.execute(f"COMMENT ON TABLE nodes IS '{SCHEMA_MARK}'")
+        if schema_mark(conn) != SCHEMA_MARK:  # else a process starting beside this one ran it meanwhile
+            conn._conn.execute(SCHEMA)
+            conn._conn.execute(COUNTERS_SCHEMA)
+            conn._conn.execute(VERIFY_JOBS_SCHEMA)
+            conn._conn.execute(f"COMMENT ON TABLE nodes IS '{SCHEMA_MARK}'")
         conn.execute("COMMIT")
     except BaseException:
         conn.execute("ROLLBACK")
@@ -508,9 +509,14 @@ def connect(url: str) -> PgConnection:
     return conn
 
 
+def schema_mark(conn: PgConnection) -> str | None:
+    """The comment on table ``nodes``: :data:`SCHEMA_MARK` once this schema ran (None before any did)."""
+    return conn.execute("SELECT obj_description(to_regclass('nodes'), 'pg_class')").fetchone()[0]
+
+
 TRANSIENT_SQLSTATES = frozenset({"40P01", "40001"})
 """deadlock_detected and serialization_failure: PostgreSQL rolled the statement back to break a cycle of
-waits between transactions (two edges updating the same counter rows in different orders); the same
+waits between transactions (two edges' writers updating the same rows in different orders); the same
 transaction run again goes through."""
 
 
