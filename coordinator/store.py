@@ -551,7 +551,8 @@ def count_rejection(conn: sqlite3.Connection, node_id: str, reason: str, lease_i
 def queued_groups(conn: sqlite3.Connection) -> int:
     """Accepted groups waiting for the trainer (neither consumed nor dropped), in O(1): the counter's rows
     summed (one on SQLite, one per writer slot on PostgreSQL: ``store_pg.COUNTER_SLOTS``)."""
-    return int(conn.execute("SELECT COALESCE(SUM(value), 0) FROM counters WHERE name = 'queued_groups'").fetchone()[0])
+    return int(conn.execute("SELECT COALESCE(SUM(value), 0) FROM counters WHERE name = 'queued_groups'")
+               .fetchone()[0])
 
 
 def rejections_by_reason(conn: sqlite3.Connection, node_id: str | None = None) -> dict[str, int]:
@@ -761,8 +762,8 @@ def open_leases_of(conn: sqlite3.Connection, node_id: str) -> int:
 
 def open_lease_totals(conn: sqlite3.Connection) -> tuple[int, int]:
     """(open leases, open leases issued to probation nodes), in O(1) from the trigger-kept counters."""
-    rows = dict(conn.execute("SELECT name, SUM(value) FROM counters WHERE name IN ('open_leases', 'open_probation_leases') "
-                             "GROUP BY name").fetchall())
+    rows = dict(conn.execute("SELECT name, SUM(value) FROM counters "
+                             "WHERE name IN ('open_leases', 'open_probation_leases') GROUP BY name").fetchall())
     return int(rows.get("open_leases", 0)), int(rows.get("open_probation_leases", 0))
 
 
@@ -803,7 +804,8 @@ def forget_nonces(conn: sqlite3.Connection, now_ms: int) -> int:
 
 def prompts_drawn(conn: sqlite3.Connection) -> int:
     """Prompts drawn from the stream so far, by every process (the counter's rows summed)."""
-    return int(conn.execute("SELECT COALESCE(SUM(value), 0) FROM counters WHERE name = 'prompts_drawn'").fetchone()[0])
+    return int(conn.execute("SELECT COALESCE(SUM(value), 0) FROM counters WHERE name = 'prompts_drawn'")
+               .fetchone()[0])
 
 
 @dataclass(frozen=True)
@@ -1344,14 +1346,16 @@ def bucket_level(conn: sqlite3.Connection, kind: str, key: str, rate: BucketRate
     return _level(now_ms if row is None else float(row[0]), rate, now_ms)
 
 
-def bucket_levels(conn: sqlite3.Connection, buckets: list[tuple[str, str, BucketRate]], now_ms: float) -> list[float]:
+def bucket_levels(conn: sqlite3.Connection, buckets: list[tuple[str, str, BucketRate]],
+                  now_ms: float) -> list[float]:
     """:func:`bucket_level` of each ``(kind, key, rate)``, in one statement: a read of one statement is one
     snapshot on PostgreSQL without a transaction around it (``PgConnection.read``), and one round trip."""
     if not buckets:
         return []
     where = " OR ".join(["(kind = ? AND key = ?)"] * len(buckets))
-    tats = {(r[0], r[1]): float(r[2]) for r in conn.execute(
-        f"SELECT kind, key, tat_ms FROM limit_buckets WHERE {where}", [v for kind, key, _ in buckets for v in (kind, key)])}
+    keys = [v for kind, key, _ in buckets for v in (kind, key)]
+    tats = {(r[0], r[1]): float(r[2])
+            for r in conn.execute(f"SELECT kind, key, tat_ms FROM limit_buckets WHERE {where}", keys)}
     return [_level(tats.get((kind, key), now_ms), rate, now_ms) for kind, key, rate in buckets]
 
 

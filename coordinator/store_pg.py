@@ -151,7 +151,7 @@ CREATE TABLE IF NOT EXISTS edges (
 );
 """
 
-# --- counters: one row per (counter, writer slot) ------------------------------------------------------------
+# --- counters: one row per (counter, writer slot) ---------------------------------------------------------
 
 COUNTER_SLOTS = 32
 """Each counter (queued groups, open leases, open probation leases, prompts drawn) is this many rows, one
@@ -199,7 +199,8 @@ BEGIN
         delta := delta + (NEW.consumed_step IS NULL AND NEW.dropped IS NULL)::int;
     END IF;
     IF delta <> 0 THEN
-        UPDATE counters SET value = value + delta WHERE name = 'queued_groups' AND slot = veriroll_counter_slot();
+        UPDATE counters SET value = value + delta
+        WHERE name = 'queued_groups' AND slot = veriroll_counter_slot();
     END IF;
     RETURN NULL;
 END $$;
@@ -220,7 +221,8 @@ BEGIN
         probation_delta := probation_delta + NEW.probation;
     END IF;
     IF open_delta <> 0 THEN
-        UPDATE counters SET value = value + open_delta WHERE name = 'open_leases' AND slot = veriroll_counter_slot();
+        UPDATE counters SET value = value + open_delta
+        WHERE name = 'open_leases' AND slot = veriroll_counter_slot();
     END IF;
     IF probation_delta <> 0 THEN
         UPDATE counters SET value = value + probation_delta
@@ -248,13 +250,15 @@ SELECT 'prompts_drawn', 0, COALESCE((SELECT CAST(value AS BIGINT) FROM kv WHERE 
 ON CONFLICT (name, slot) DO NOTHING;
 DELETE FROM kv WHERE key = 'prompts_drawn';
 INSERT INTO counters(name, slot, value)
-SELECT name, slot, 0 FROM unnest(ARRAY['queued_groups', 'open_leases', 'open_probation_leases', 'prompts_drawn']) AS name,
-                          generate_series(0, {COUNTER_SLOTS - 1}) AS slot
+SELECT name, slot, 0
+FROM unnest(ARRAY['queued_groups', 'open_leases', 'open_probation_leases', 'prompts_drawn']) AS name,
+     generate_series(0, {COUNTER_SLOTS - 1}) AS slot
 ON CONFLICT (name, slot) DO NOTHING;
 """
 
 CLAIM_SLOT = (f"SELECT set_config('veriroll.counter_slot', slot::text, false) "
-              f"FROM generate_series(0, {COUNTER_SLOTS - 1}) AS slot WHERE pg_try_advisory_lock({SLOT_LOCK}, slot) LIMIT 1")
+              f"FROM generate_series(0, {COUNTER_SLOTS - 1}) AS slot "
+              f"WHERE pg_try_advisory_lock({SLOT_LOCK}, slot) LIMIT 1")
 """Lock the first free slot for this session and set it where ``veriroll_counter_slot()`` reads it; no row
 when every slot is held. Run outside a transaction: a SET undone by a ROLLBACK would leave the lock held."""
 
@@ -480,7 +484,8 @@ def first_line(exc: BaseException) -> str:
     return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
 
 
-SCHEMA_MARK = "veriroll schema " + hashlib.sha256((SCHEMA + COUNTERS_SCHEMA + VERIFY_JOBS_SCHEMA).encode()).hexdigest()[:16]
+SCHEMA_MARK = "veriroll schema " + hashlib.sha256(
+    (SCHEMA + COUNTERS_SCHEMA + VERIFY_JOBS_SCHEMA).encode()).hexdigest()[:16]
 """Written as the comment of table ``nodes`` once :data:`SCHEMA` ran: a connection that finds it skips the
 DDL. Running it again is harmless to the data but not to the processes working on it: ``CREATE INDEX IF
 NOT EXISTS`` takes a SHARE lock on its table before it finds the index there, and ``ALTER TABLE ... IF NOT
