@@ -208,6 +208,16 @@ SELECT 'queued_groups', (SELECT COUNT(*) FROM groups WHERE consumed_step IS NULL
 WHERE NOT EXISTS (SELECT 1 FROM counters WHERE name = 'queued_groups')
 """
 
+# The number of prompts drawn from the stream (it resumes from the seed and this number), kept like the
+# others; a kv row before, which every lease of a fresh prompt updated: on PostgreSQL, one row every edge
+# process's writer queued on. Its value moves over once.
+_INIT_DRAW_COUNTER = """
+INSERT INTO counters(name, value)
+SELECT 'prompts_drawn', COALESCE((SELECT CAST(value AS INTEGER) FROM kv WHERE key = 'prompts_drawn'), 0)
+WHERE NOT EXISTS (SELECT 1 FROM counters WHERE name = 'prompts_drawn');
+DELETE FROM kv WHERE key = 'prompts_drawn';
+"""
+
 
 # The node process that holds each key (see ``other_live_session``): columns added to older databases.
 _SESSION_COLUMNS = {"session_id": "TEXT NOT NULL DEFAULT ''", "session_address": "TEXT NOT NULL DEFAULT ''",
@@ -305,6 +315,8 @@ def connect(path: str | Path) -> sqlite3.Connection:
     conn.executescript(_LEASE_COUNTERS)
     if conn.execute("SELECT COUNT(*) FROM counters WHERE name IN ('open_leases', 'open_probation_leases')").fetchone()[0] < 2:
         conn.executescript("BEGIN IMMEDIATE;" + _INIT_LEASE_COUNTERS + "COMMIT;")
+    if conn.execute("SELECT 1 FROM counters WHERE name = 'prompts_drawn'").fetchone() is None:
+        conn.executescript("BEGIN IMMEDIATE;" + _INIT_DRAW_COUNTER + "COMMIT;")
     return conn
 
 
@@ -473,22 +485,27 @@ class Database:
         return results
 
     def read(self, fn: Callable[[sqlite3.Connection], T]) -> concurrent.futures.Future:
-        """Run a read-only ``fn`` on the reader connection: no write lock, no fsync, sees committed data."""
+        """Run a read-only ``fn`` on the reader connection: no write lock, no fsync, sees committed data (on
+        PostgreSQL, all of ``fn``'s statements one snapshot of it, begun first: the trainer's reads, which
+        take several)."""
         if self._closed:
             raise RuntimeError("database is closed")
-        return self._reader.submit(self._read_one, fn)
+        return self._reader.submit(self._read_one, fn, False)
 
-    def _read_one(self, fn):
+    def _read_one(self, fn, probe: bool = True):
         conn = getattr(self._local, "conn", None)
         if conn is None:
             conn = self._local.conn = connect(self.path)
             self._reader_conns.append(conn)
+        if isinstance(conn, store_pg.PgConnection):
+            return conn.read(fn, probe=probe)
         return fn(conn)
 
     async def run_read(self, fn: Callable[[sqlite3.Connection], T], *, inline: bool = False) -> T:
         """``read`` for a coroutine: the result is set on the caller's loop directly. ``inline``: a short read
         (a few rows by key) on a SQLite file runs on the caller's thread, where the hop to the reader thread
-        and back would cost more than the read (WAL: a reader does not wait for the writer)."""
+        and back would cost more than the read (WAL: a reader does not wait for the writer). On PostgreSQL
+        a read of one statement runs alone, one of more in one snapshot (``PgConnection.read``)."""
         if self._closed:
             raise RuntimeError("database is closed")
         if inline and isinstance(self.path, Path):
@@ -572,8 +589,10 @@ def count_rejection(conn: sqlite3.Connection, node_id: str, reason: str, lease_i
 
 
 def queued_groups(conn: sqlite3.Connection) -> int:
-    """Accepted groups waiting for the trainer (neither consumed nor dropped), in O(1)."""
-    return int(conn.execute("SELECT value FROM counters WHERE name = 'queued_groups'").fetchone()[0])
+    """Accepted groups waiting for the trainer (neither consumed nor dropped), in O(1): the counter's rows
+    summed (one on SQLite, one per writer slot on PostgreSQL: ``store_pg.COUNTER_SLOTS``)."""
+    return int(conn.execute("SELECT COALESCE(SUM(value), 0) FROM counters WHERE name = 'queued_groups'")
+               .fetchone()[0])
 
 
 def rejections_by_reason(conn: sqlite3.Connection, node_id: str | None = None) -> dict[str, int]:
@@ -783,8 +802,8 @@ def open_leases_of(conn: sqlite3.Connection, node_id: str) -> int:
 
 def open_lease_totals(conn: sqlite3.Connection) -> tuple[int, int]:
     """(open leases, open leases issued to probation nodes), in O(1) from the trigger-kept counters."""
-    rows = dict(conn.execute("SELECT name, value FROM counters WHERE name IN ('open_leases', 'open_probation_leases')")
-                .fetchall())
+    rows = dict(conn.execute("SELECT name, SUM(value) FROM counters "
+                             "WHERE name IN ('open_leases', 'open_probation_leases') GROUP BY name").fetchall())
     return int(rows.get("open_leases", 0)), int(rows.get("open_probation_leases", 0))
 
 
@@ -805,8 +824,8 @@ def insert_leased_prompt(conn: sqlite3.Connection, env: str, text: str, answer: 
     row = conn.execute("INSERT INTO prompts(env, text, answer, meta, prompt_ids, state, attempts) "
                        "VALUES(?, ?, ?, ?, ?, ?, 1) RETURNING prompt_id",
                        (env, text, answer, json.dumps(meta), pack_i32(prompt_ids), PromptState.LEASED)).fetchone()
-    conn.execute("INSERT INTO kv(key, value) VALUES('prompts_drawn', '1') "
-                 "ON CONFLICT(key) DO UPDATE SET value = CAST(kv.value AS INTEGER) + 1")
+    # /*SLOT*/: on PostgreSQL, this writer's own row of the counter (store_pg.COUNTER_SLOTS).
+    conn.execute("UPDATE counters SET value = value + 1 WHERE name = 'prompts_drawn' /*SLOT*/")
     return int(row[0])
 
 
@@ -824,7 +843,9 @@ def forget_nonces(conn: sqlite3.Connection, now_ms: int) -> int:
 
 
 def prompts_drawn(conn: sqlite3.Connection) -> int:
-    return int(kv_get(conn, "prompts_drawn", 0))
+    """Prompts drawn from the stream so far, by every process (the counter's rows summed)."""
+    return int(conn.execute("SELECT COALESCE(SUM(value), 0) FROM counters WHERE name = 'prompts_drawn'")
+               .fetchone()[0])
 
 
 @dataclass(frozen=True)
@@ -868,14 +889,28 @@ def insert_lease(conn: sqlite3.Connection, lease: LeaseRecord) -> None:
     )
 
 
-def load_lease(conn: sqlite3.Connection, lease_id: str) -> tuple[sqlite3.Row | None, dict | None, dict | None]:
-    """A lease row, its prompt, and the group already accepted for it (if any)."""
-    row = conn.execute("SELECT * FROM leases WHERE lease_id = ?", (lease_id,)).fetchone()
+LEASE_COLUMNS = ("lease_id", "node_id", "prompt_id", "group_size", "temperature", "max_new_tokens", "seeds",
+                 "stop_token_ids", "policy_version", "issued_ms", "deadline_ms", "state", "probation")
+PROMPT_COLUMNS = ("prompt_id", "env", "text", "answer", "meta", "prompt_ids", "state", "attempts")
+_LOAD_LEASE = ("SELECT " + ", ".join([f"l.{c}" for c in LEASE_COLUMNS] + [f"p.{c}" for c in PROMPT_COLUMNS])
+               + ", g.group_id, g.content_hash FROM leases l JOIN prompts p ON p.prompt_id = l.prompt_id "
+               "LEFT JOIN groups g ON g.lease_id = l.lease_id WHERE l.lease_id = ?")
+
+
+def load_lease(conn: sqlite3.Connection, lease_id: str) -> tuple[dict | None, dict | None, dict | None]:
+    """A lease row, its prompt, and the group already accepted for it (if any).
+
+    One statement, so the three are one snapshot on either backend without a transaction around it, and one
+    round trip on PostgreSQL: the intake reads it for every submitted group."""
+    row = conn.execute(_LOAD_LEASE, (lease_id,)).fetchone()
     if row is None:
         return None, None, None
-    prompt = dict(conn.execute("SELECT * FROM prompts WHERE prompt_id = ?", (row["prompt_id"],)).fetchone())
-    group = conn.execute("SELECT group_id, content_hash FROM groups WHERE lease_id = ?", (lease_id,)).fetchone()
-    return row, prompt, dict(group) if group else None
+    values = tuple(row)
+    prompt_at, group_at = len(LEASE_COLUMNS), len(LEASE_COLUMNS) + len(PROMPT_COLUMNS)
+    group_id, content_hash = values[group_at:]
+    return (dict(zip(LEASE_COLUMNS, values[:prompt_at], strict=True)),
+            dict(zip(PROMPT_COLUMNS, values[prompt_at:group_at], strict=True)),
+            None if group_id is None else {"group_id": group_id, "content_hash": content_hash})
 
 
 def spend_lease(conn: sqlite3.Connection, lease_id: str, prompt_id: int) -> bool:
@@ -1070,7 +1105,10 @@ def observer_snapshot(conn: sqlite3.Connection) -> dict:
 
 
 def read_transaction(conn: sqlite3.Connection):
-    """A context manager: one consistent snapshot for several reads on a reader connection."""
+    """A context manager: one consistent snapshot for several reads on a reader connection (on PostgreSQL,
+    ``Database`` reads run in one already: the block joins it)."""
+    if isinstance(conn, store_pg.PgConnection):
+        return conn.snapshot()
     return _ReadTransaction(conn)
 
 
@@ -1345,8 +1383,24 @@ def return_to_bucket(conn: sqlite3.Connection, kind: str, key: str, rate: Bucket
 def bucket_level(conn: sqlite3.Connection, kind: str, key: str, rate: BucketRate, now_ms: float) -> float:
     """Tokens in the (kind, key) bucket at ``now_ms``: ``rate.burst`` when full, negative when in debt."""
     row = conn.execute("SELECT tat_ms FROM limit_buckets WHERE kind = ? AND key = ?", (kind, key)).fetchone()
-    tat_ms = now_ms if row is None else max(float(row[0]), now_ms)
-    return (now_ms + rate.tolerance_ms - tat_ms) / rate.interval_ms
+    return _level(now_ms if row is None else float(row[0]), rate, now_ms)
+
+
+def bucket_levels(conn: sqlite3.Connection, buckets: list[tuple[str, str, BucketRate]],
+                  now_ms: float) -> list[float]:
+    """:func:`bucket_level` of each ``(kind, key, rate)``, in one statement: a read of one statement is one
+    snapshot on PostgreSQL without a transaction around it (``PgConnection.read``), and one round trip."""
+    if not buckets:
+        return []
+    where = " OR ".join(["(kind = ? AND key = ?)"] * len(buckets))
+    keys = [v for kind, key, _ in buckets for v in (kind, key)]
+    tats = {(r[0], r[1]): float(r[2])
+            for r in conn.execute(f"SELECT kind, key, tat_ms FROM limit_buckets WHERE {where}", keys)}
+    return [_level(tats.get((kind, key), now_ms), rate, now_ms) for kind, key, rate in buckets]
+
+
+def _level(tat_ms: float, rate: BucketRate, now_ms: float) -> float:
+    return (now_ms + rate.tolerance_ms - max(tat_ms, now_ms)) / rate.interval_ms
 
 
 def forget_full_buckets(conn: sqlite3.Connection, now_ms: float) -> int:

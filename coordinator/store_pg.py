@@ -5,7 +5,9 @@
 placeholders become ``%s``, SQLite's ``BEGIN IMMEDIATE`` becomes ``BEGIN``, and rows answer by name and
 by position like ``sqlite3.Row``. The schema is the same tables with PostgreSQL's types, and the
 counters (queued groups, open leases) are kept by PL/pgSQL triggers in the same transaction as the
-change, as SQLite's triggers keep them.
+change, as SQLite's triggers keep them, but split in one row per writer (see ``COUNTER_SLOTS``;
+``/*SLOT*/`` in a statement picks the writer's row): on SQLite one writer holds the only lock anyway, here
+every edge process writes at once. Reads see one snapshot (``PgConnection.read``).
 
 Guarantees are today's: the store's writer commits a batch of operations in one transaction and
 answers its callers only after COMMIT returned (``synchronous_commit`` on, PostgreSQL's default), so
@@ -14,10 +16,13 @@ answers its callers only after COMMIT returned (``synchronous_commit`` on, Postg
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import re
 import time
+from collections.abc import Callable, Iterator
+from typing import TypeVar
 
 try:
     import psycopg
@@ -25,6 +30,7 @@ except ImportError:  # only a coordinator configured with a postgresql:// databa
     psycopg = None
 
 URL = re.compile(r"^postgres(ql)?://")
+T = TypeVar("T")
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS nodes (
@@ -143,10 +149,44 @@ CREATE TABLE IF NOT EXISTS edges (
     edge_id TEXT PRIMARY KEY,
     seen_ms BIGINT NOT NULL
 );
+"""
+
+# --- counters: one row per (counter, writer slot) ---------------------------------------------------------
+
+COUNTER_SLOTS = 32
+"""Each counter (queued groups, open leases, open probation leases, prompts drawn) is this many rows, one
+per writer slot. A writer adds to its own connection's slot (triggers; ``/*SLOT*/`` in a statement), so two
+processes' write transactions never queue on one counter row, whose lock each would hold to its COMMIT;
+readers sum a counter's slots. A connection claims a free slot when it first begins a write transaction
+(``PgConnection._run``); one that found none free, or never claimed (a single autocommit statement), adds
+to slot ``pg_backend_pid() % COUNTER_SLOTS``: right, only not free of contention."""
+
+SLOT_LOCK = 7_294_018
+"""First key of the session advisory locks ``(SLOT_LOCK, slot)`` that hold a claimed slot until the
+connection closes (or dies: the server drops a lost session's locks, and the slot is free again)."""
+
+COUNTERS_SCHEMA = f"""
 CREATE TABLE IF NOT EXISTS counters (
-    name TEXT PRIMARY KEY,
-    value BIGINT NOT NULL
+    name TEXT NOT NULL,
+    slot BIGINT NOT NULL DEFAULT 0,
+    value BIGINT NOT NULL,
+    PRIMARY KEY (name, slot)
 );
+-- A database from before slots kept one row per counter: it becomes slot 0, its value kept.
+DO $$
+BEGIN
+    IF NOT EXISTS (SELECT 1 FROM information_schema.columns WHERE table_schema = current_schema()
+                   AND table_name = 'counters' AND column_name = 'slot') THEN
+        ALTER TABLE counters ADD COLUMN slot BIGINT NOT NULL DEFAULT 0;
+        ALTER TABLE counters DROP CONSTRAINT counters_pkey;
+        ALTER TABLE counters ADD PRIMARY KEY (name, slot);
+    END IF;
+END $$;
+
+CREATE OR REPLACE FUNCTION veriroll_counter_slot() RETURNS BIGINT LANGUAGE sql STABLE AS $$
+    SELECT COALESCE(NULLIF(current_setting('veriroll.counter_slot', true), '')::BIGINT,
+                    pg_backend_pid() % {COUNTER_SLOTS})
+$$;
 
 CREATE OR REPLACE FUNCTION veriroll_queued_groups() RETURNS trigger LANGUAGE plpgsql AS $$
 DECLARE
@@ -159,7 +199,8 @@ BEGIN
         delta := delta + (NEW.consumed_step IS NULL AND NEW.dropped IS NULL)::int;
     END IF;
     IF delta <> 0 THEN
-        UPDATE counters SET value = value + delta WHERE name = 'queued_groups';
+        UPDATE counters SET value = value + delta
+        WHERE name = 'queued_groups' AND slot = veriroll_counter_slot();
     END IF;
     RETURN NULL;
 END $$;
@@ -180,26 +221,46 @@ BEGIN
         probation_delta := probation_delta + NEW.probation;
     END IF;
     IF open_delta <> 0 THEN
-        UPDATE counters SET value = value + open_delta WHERE name = 'open_leases';
+        UPDATE counters SET value = value + open_delta
+        WHERE name = 'open_leases' AND slot = veriroll_counter_slot();
     END IF;
     IF probation_delta <> 0 THEN
-        UPDATE counters SET value = value + probation_delta WHERE name = 'open_probation_leases';
+        UPDATE counters SET value = value + probation_delta
+        WHERE name = 'open_probation_leases' AND slot = veriroll_counter_slot();
     END IF;
     RETURN NULL;
 END $$;
 CREATE OR REPLACE TRIGGER leases_open AFTER INSERT OR UPDATE OF state OR DELETE ON leases
 FOR EACH ROW EXECUTE FUNCTION veriroll_open_leases();
 
-INSERT INTO counters(name, value)
-SELECT 'queued_groups', (SELECT COUNT(*) FROM groups WHERE consumed_step IS NULL AND dropped IS NULL)
-ON CONFLICT (name) DO NOTHING;
-INSERT INTO counters(name, value)
-SELECT 'open_leases', (SELECT COUNT(*) FROM leases WHERE state = 'open')
-ON CONFLICT (name) DO NOTHING;
-INSERT INTO counters(name, value)
-SELECT 'open_probation_leases', (SELECT COUNT(*) FROM leases WHERE state = 'open' AND probation = 1)
-ON CONFLICT (name) DO NOTHING;
+-- A fresh database starts each counter from a full count in slot 0 (a migrated one has its slot 0
+-- already); every other slot starts at zero.
+INSERT INTO counters(name, slot, value)
+SELECT 'queued_groups', 0, (SELECT COUNT(*) FROM groups WHERE consumed_step IS NULL AND dropped IS NULL)
+ON CONFLICT (name, slot) DO NOTHING;
+INSERT INTO counters(name, slot, value)
+SELECT 'open_leases', 0, (SELECT COUNT(*) FROM leases WHERE state = 'open')
+ON CONFLICT (name, slot) DO NOTHING;
+INSERT INTO counters(name, slot, value)
+SELECT 'open_probation_leases', 0, (SELECT COUNT(*) FROM leases WHERE state = 'open' AND probation = 1)
+ON CONFLICT (name, slot) DO NOTHING;
+-- Prompts drawn, a kv row before (store.py's _INIT_DRAW_COUNTER says why): its value moves to slot 0.
+INSERT INTO counters(name, slot, value)
+SELECT 'prompts_drawn', 0, COALESCE((SELECT CAST(value AS BIGINT) FROM kv WHERE key = 'prompts_drawn'), 0)
+ON CONFLICT (name, slot) DO NOTHING;
+DELETE FROM kv WHERE key = 'prompts_drawn';
+INSERT INTO counters(name, slot, value)
+SELECT name, slot, 0
+FROM unnest(ARRAY['queued_groups', 'open_leases', 'open_probation_leases', 'prompts_drawn']) AS name,
+     generate_series(0, {COUNTER_SLOTS - 1}) AS slot
+ON CONFLICT (name, slot) DO NOTHING;
 """
+
+CLAIM_SLOT = (f"SELECT set_config('veriroll.counter_slot', slot::text, false) "
+              f"FROM generate_series(0, {COUNTER_SLOTS - 1}) AS slot "
+              f"WHERE pg_try_advisory_lock({SLOT_LOCK}, slot) LIMIT 1")
+"""Lock the first free slot for this session and set it where ``veriroll_counter_slot()`` reads it; no row
+when every slot is held. Run outside a transaction: a SET undone by a ROLLBACK would leave the lock held."""
 
 # --- verification jobs (the verifier pool; operations in store.py's section of the same name) ---------------
 
@@ -268,7 +329,16 @@ def translate(sql: str) -> str:
     """SQLite's dialect of the store's statements, as PostgreSQL reads them."""
     if sql.strip().upper() == "BEGIN IMMEDIATE":
         return "BEGIN"
-    return sql.replace("?", "%s").replace("/*SKIP LOCKED*/", "FOR UPDATE SKIP LOCKED")
+    return (sql.replace("?", "%s").replace("/*SKIP LOCKED*/", "FOR UPDATE SKIP LOCKED")
+            .replace("/*SLOT*/", "AND slot = veriroll_counter_slot()"))
+
+
+SNAPSHOT_BEGIN = "BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY"
+
+
+class _SnapshotNeeded(BaseException):
+    """A read probed outside a snapshot issued its second statement (see ``PgConnection.read``). A
+    BaseException, like GeneratorExit: control flow that a read's own ``except Exception`` must not catch."""
 
 
 class StoreUnavailable(Exception):
@@ -300,6 +370,9 @@ class PgConnection:
         self._in_transaction = False
         self._next_attempt = 0.0
         self._conn = self._open()
+        self._slot_claimed_on = None  # the psycopg connection (session) that claimed a counter slot
+        self.statements = 0  # statements run on this connection so far
+        self._alone_until = float("inf")  # see read(): the last statement a read may run outside a snapshot
 
     def _open(self):
         try:
@@ -325,8 +398,15 @@ class PgConnection:
         return self._conn
 
     def _run(self, sql: str, run):
+        self.statements += 1
+        if self.statements > self._alone_until:
+            raise _SnapshotNeeded
         conn = self._usable(sql)
         try:
+            if self._slot_claimed_on is not conn and sql.strip().upper() == "BEGIN IMMEDIATE":
+                # A writer's first transaction on this session: claim it a counter slot (see COUNTER_SLOTS).
+                self._slot_claimed_on = conn
+                conn.execute(CLAIM_SLOT)
             return run(conn.cursor())
         except psycopg.Error as exc:
             if conn.broken or conn.closed:  # the transaction, if any, stays marked until its COMMIT/ROLLBACK
@@ -345,6 +425,47 @@ class PgConnection:
             return cur
         return self._run(sql, run)
 
+    @contextlib.contextmanager
+    def snapshot(self) -> Iterator[PgConnection]:
+        """The block's statements in one REPEATABLE READ READ ONLY transaction: they see the database as of
+        its first statement (under READ COMMITTED, PostgreSQL's default, each statement sees every commit
+        made before it started, so a read of several tables could straddle another edge's commit). Inside
+        a transaction already, the block joins it."""
+        if self._alone_until != float("inf"):
+            raise _SnapshotNeeded  # a read probed outside one (see read) asks for it: read begins it
+        if self._in_transaction:
+            yield self
+            return
+        try:
+            self.execute(SNAPSHOT_BEGIN)
+            yield self
+        except BaseException:
+            # The error to report is the block's (or BEGIN's); the ROLLBACK also ends the transaction this
+            # connection counts itself in, so that its next statement may reconnect.
+            with contextlib.suppress(*errors()):
+                self.execute("ROLLBACK")
+            raise
+        self.execute("COMMIT")
+
+    def read(self, fn: Callable[[PgConnection], T], *, probe: bool = True) -> T:
+        """``fn(self)``, a read, with all its statements in one snapshot.
+
+        Most reads on the serving path are one statement (a row by key), which is one snapshot by itself:
+        with ``probe``, ``fn`` runs without BEGIN and COMMIT (two round trips more than such a read), until
+        it issues a second statement; that one is not run, and ``fn`` starts again in a snapshot (its first
+        statement then ran twice). Without ``probe`` (reads known to take several), the snapshot comes first.
+        """
+        if probe:
+            self._alone_until = self.statements + 1
+            try:
+                return fn(self)
+            except _SnapshotNeeded:
+                pass
+            finally:
+                self._alone_until = float("inf")
+        with self.snapshot():
+            return fn(self)
+
     def close(self) -> None:
         self._conn.close()
 
@@ -354,7 +475,7 @@ def transaction_bound(sql: str) -> str | None:
     """"begin" for a statement that opens a transaction, "end" for one that closes it (COMMIT, ROLLBACK;
     not ROLLBACK TO a savepoint), else None."""
     verb = sql.strip().upper()
-    if verb in ("BEGIN", "BEGIN IMMEDIATE"):
+    if verb == "BEGIN" or verb.startswith("BEGIN "):
         return "begin"
     return "end" if verb in ("COMMIT", "ROLLBACK") else None
 
@@ -363,7 +484,8 @@ def first_line(exc: BaseException) -> str:
     return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
 
 
-SCHEMA_MARK = "veriroll schema " + hashlib.sha256((SCHEMA + VERIFY_JOBS_SCHEMA).encode()).hexdigest()[:16]
+SCHEMA_MARK = "veriroll schema " + hashlib.sha256(
+    (SCHEMA + COUNTERS_SCHEMA + VERIFY_JOBS_SCHEMA).encode()).hexdigest()[:16]
 """Written as the comment of table ``nodes`` once :data:`SCHEMA` ran: a connection that finds it skips the
 DDL. Running it again is harmless to the data but not to the processes working on it: ``CREATE INDEX IF
 NOT EXISTS`` takes a SHARE lock on its table before it finds the index there, and ``ALTER TABLE ... IF NOT
@@ -374,14 +496,16 @@ writer of another process that held row locks on two of those tables (seen in th
 def connect(url: str) -> PgConnection:
     """Open ``url`` and make sure the schema (tables, indexes, triggers, counters) is there."""
     conn = PgConnection(url)
-    if conn.execute("SELECT obj_description(to_regclass('nodes'), 'pg_class')").fetchone()[0] == SCHEMA_MARK:
+    if schema_mark(conn) == SCHEMA_MARK:
         return conn
     conn.execute("BEGIN")
     try:
         conn.execute("SELECT pg_advisory_xact_lock(?)", (SCHEMA_LOCK,))
-        conn._conn.execute(SCHEMA)
-        conn._conn.execute(VERIFY_JOBS_SCHEMA)
-        conn._conn.execute(f"COMMENT ON TABLE nodes IS '{SCHEMA_MARK}'")
+        if schema_mark(conn) != SCHEMA_MARK:  # else a process starting beside this one ran it meanwhile
+            conn._conn.execute(SCHEMA)
+            conn._conn.execute(COUNTERS_SCHEMA)
+            conn._conn.execute(VERIFY_JOBS_SCHEMA)
+            conn._conn.execute(f"COMMENT ON TABLE nodes IS '{SCHEMA_MARK}'")
         conn.execute("COMMIT")
     except BaseException:
         conn.execute("ROLLBACK")
@@ -390,9 +514,14 @@ def connect(url: str) -> PgConnection:
     return conn
 
 
+def schema_mark(conn: PgConnection) -> str | None:
+    """The comment on table ``nodes``: :data:`SCHEMA_MARK` once this schema ran (None before any did)."""
+    return conn.execute("SELECT obj_description(to_regclass('nodes'), 'pg_class')").fetchone()[0]
+
+
 TRANSIENT_SQLSTATES = frozenset({"40P01", "40001"})
 """deadlock_detected and serialization_failure: PostgreSQL rolled the statement back to break a cycle of
-waits between transactions (two edges updating the same counter rows in different orders); the same
+waits between transactions (two edges' writers updating the same rows in different orders); the same
 transaction run again goes through."""
 
 

@@ -175,8 +175,8 @@ class SharedVerifierBudget:
             return None
         now = self.clock_ms()
         keys = [key_of(node_id, address) for _, _, _, _, key_of in self._scopes]
-        levels = await self.db.run_read(lambda conn: [st.bucket_level(conn, kind, key, rate, now) for (_, kind, _, rate, _), key
-                                                      in zip(self._scopes, keys, strict=True)])
+        buckets = [(kind, key, rate) for (_, kind, _, rate, _), key in zip(self._scopes, keys, strict=True)]
+        levels = await self.db.run_read(lambda conn: st.bucket_levels(conn, buckets, now))
         for (name, _, per_minute, _, _), key, left in zip(self._scopes, keys, levels, strict=True):
             if left <= 0:
                 return out_of_time(name, key, per_minute, left)

@@ -5,10 +5,12 @@ from __future__ import annotations
 import asyncio
 import random
 import threading
+from pathlib import Path
 
 import pytest
 
 from veriroll.coordinator import store as st
+from veriroll.coordinator import store_pg
 
 
 def insert_group(conn, i: int) -> None:
@@ -48,6 +50,21 @@ def test_queued_groups_starts_from_the_rows_of_an_older_database(tmp_path):
     assert st.queued_groups(conn) == 6
     insert_group(conn, 99)
     assert st.queued_groups(conn) == counted(conn) == 7
+    conn.close()
+
+
+def test_prompts_drawn_moves_from_kv_to_a_counter_with_its_value(store_target):
+    """A database from before the counter kept the number of draws (the prompt stream's position) in kv."""
+    conn = st.connect(store_target)
+    conn.execute("DELETE FROM counters WHERE name = 'prompts_drawn'")
+    st.kv_set(conn, "prompts_drawn", 41)
+    if not isinstance(store_target, Path):  # PostgreSQL runs its schema again only for another fingerprint
+        conn.execute("COMMENT ON TABLE nodes IS 'an older schema'")
+    conn.close()
+    conn = st.connect(store_target)
+    moved, left = st.prompts_drawn(conn), st.kv_get(conn, "prompts_drawn")
+    st.insert_leased_prompt(conn, "e", "1+1=", "2", {}, [1, 2])  # no write transaction: slot by backend pid
+    assert (moved, left, st.prompts_drawn(conn)) == (41, None, 42)
     conn.close()
 
 
@@ -164,3 +181,69 @@ def test_bounded_text_reads_only_what_the_cut_needs():
     t0 = time.perf_counter()
     assert st.bounded_text(huge, 64) == "y" * 64
     assert time.perf_counter() - t0 < 0.5
+
+
+def test_load_lease_is_one_statement_with_the_lease_its_prompt_and_its_group(store_target):
+    """The intake's lease read, for every submitted group: one statement (one snapshot, one round trip)."""
+    db = st.Database(store_target)
+
+    def script(conn):
+        prompt_id = st.insert_leased_prompt(conn, "e", "1+1=", "2", {"k": 1}, [1, 5, 6])
+        for lease_id in ("L1", "L2"):
+            st.insert_lease(conn, st.LeaseRecord(
+                lease_id=lease_id, node_id="n", prompt_id=prompt_id, group_size=1, temperature=0.5,
+                max_new_tokens=3, seeds=(7,), stop_token_ids=(2,), policy_version=4, issued_ms=1, deadline_ms=9,
+                state=st.LeaseState.OPEN, probation=True))
+        gid = st.accept_group(conn, st.AcceptedGroup(
+            lease_id="L2", node_id="n", prompt_id=prompt_id, env="e", policy_version=4, temperature=0.5,
+            arrival_ms=2, content_hash="c2", tokens=3, rewards=[1.0], verified=False, clean=True,
+            samples=[(st.pack_i32([5, 6, 2]), st.pack_f32([-1, -1, -1]), None, "stop")]), probation_groups=9)
+        return gid
+
+    def statements(conn, fn) -> int:
+        if isinstance(conn, store_pg.PgConnection):
+            before = conn.statements
+            fn(conn)
+            return conn.statements - before
+        seen = []
+        conn.set_trace_callback(seen.append)
+        try:
+            fn(conn)
+        finally:
+            conn.set_trace_callback(None)
+        return len(seen)
+
+    def loads(conn):
+        counts = {statements(conn, lambda c, lease_id=lease_id: st.load_lease(c, lease_id)) for lease_id in ("L1", "L2")}
+        return (st.load_lease(conn, "L1"), st.load_lease(conn, "L2"), st.load_lease(conn, "nope")), counts
+
+    try:
+        gid = db.run_sync(script)
+        ((lease, prompt, prior), (_, _, accepted), missing), counts = db.read(loads).result()
+    finally:
+        db.close()
+    conn = st.connect(store_target)
+    lease_columns = [d[0] for d in conn.execute("SELECT * FROM leases LIMIT 0").description]
+    prompt_columns = [d[0] for d in conn.execute("SELECT * FROM prompts LIMIT 0").description]
+    conn.close()
+    assert list(lease) == lease_columns and list(prompt) == prompt_columns  # every column, by name
+    record = st.LeaseRecord.from_row(lease)
+    assert (record.lease_id, record.seeds, record.policy_version, record.state, record.probation) == (
+        "L1", (7,), 4, st.LeaseState.OPEN, True)
+    assert (prompt["env"], prompt["answer"], st.unpack_i32(prompt["prompt_ids"]).tolist()) == ("e", "2", [1, 5, 6])
+    assert prior is None and accepted == {"group_id": gid, "content_hash": "c2"}
+    assert missing == (None, None, None) and counts == {1}
+
+
+def test_bucket_levels_reads_several_buckets_in_one_statement_as_bucket_level_reads_each(store_target):
+    """The verifier budget's check on the serving path: one statement for every scope, one snapshot."""
+    conn = st.connect(store_target)
+    rate = st.BucketRate(per_s=2.0, burst=10.0)
+    assert st.take_from_bucket(conn, "a", "x", rate, 4.0, 1_000)
+    assert st.take_from_bucket(conn, "b", "x", rate, 12.0, 1_000, overdraw=True)
+    buckets = [("a", "x", rate), ("b", "x", rate), ("a", "missing", st.BucketRate(per_s=1.0, burst=3.0))]
+    levels = st.bucket_levels(conn, buckets, 1_500)
+    each = [st.bucket_level(conn, kind, key, r, 1_500) for kind, key, r in buckets]
+    none = st.bucket_levels(conn, [], 1_500)
+    conn.close()
+    assert levels == each and levels[0] == 7.0 and levels[1] < 0 and levels[2] == 3.0 and none == []
