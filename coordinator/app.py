@@ -207,8 +207,7 @@ async def start_coordinator(base_dir: str | Path, *, overrides=(), cfg: Coordina
 async def _start(base: Path, cfg: CoordinatorConfig, lock: DirectoryLock | None) -> Coordinator:
     policy_store = PolicyStore(resolve_path(base, cfg.checkpoints))
     verifier = build_verifier(cfg, policy_store)  # first: a broken install stops here, before anything is opened
-    target = st.database_target(base, cfg.database)
-    db = st.Database(target, writers=st.writer_count(target, cfg.database_writers, cfg.role))
+    db = st.Database(st.database_target(base, cfg.database))
     version = db.run_sync(lambda c: st.kv_get(c, "policy_version", None))
     if version is None:
         version = policy_store.latest()

@@ -229,9 +229,6 @@ class CoordinatorConfig(_Section):
                       "the pool, no gRPC port)")
     key: str = Field("coordinator.key", description="coordinator Ed25519 private key (signs manifests)")
     database: str = Field("state.db", description="the store of nodes, leases, groups and the ledger: a SQLite file (one process, zero set-up) or a postgresql:// URL (psycopg 3; pip install 'veriroll[postgres]')")
-    database_writers: int = Field(0, ge=0, le=32, description="store writer connections in this process: 0 picks 1 on "
-                                                               "SQLite (one write lock by design) and 4 on PostgreSQL, "
-                                                               "where a batch commits while the next one runs")
     checkpoints: str = Field("checkpoints", description="directory of policy versions (HF format) and trainer state")
     model_dtype: str = Field("float32", description="dtype of the trusted model and of published checkpoints: float32 or bfloat16")
     model_source: str = Field("", description="where version 0 came from (model dir, hub id, .gguf or builtin:NAME; informational)")
