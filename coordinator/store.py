@@ -1395,6 +1395,13 @@ def write_swarm_listings(conn: sqlite3.Connection, listed: list[SwarmListing], d
                      "(SELECT node_id FROM swarm_listings ORDER BY listed_ms DESC, node_id DESC LIMIT ?)", (over,))
 
 
+def refresh_swarm_listings(conn: sqlite3.Connection, node_ids: list[str], seen_ms: int) -> None:
+    """Nodes whose listing did not change beat again: seen at ``seen_ms``, in one statement."""
+    if node_ids:
+        conn.execute(f"UPDATE swarm_listings SET seen_ms = ? WHERE seen_ms < ? AND node_id IN ({','.join('?' * len(node_ids))})",
+                     (seen_ms, seen_ms, *node_ids))
+
+
 def write_swarm_reports(conn: sqlite3.Connection, reported: list[SwarmReport], now_ms: int, ttl_ms: int,
                         max_peers: int, per_peer: int) -> None:
     """Forget reports older than ``ttl_ms``; add ``reported``, about at most ``max_peers`` peers (the last
@@ -1432,10 +1439,13 @@ def swarm_directory(conn: sqlite3.Connection, now_ms: int, ttl_ms: int,
     return listings, reports
 
 
-def exchange_swarm_directory(conn: sqlite3.Connection, listed: list[SwarmListing], dropped: list[tuple[str, int]],
-                             reported: list[SwarmReport], *, now_ms: int, listing_ttl_ms: int, report_ttl_ms: int,
-                             max_listings: int, reports_per_peer: int) -> tuple[list[SwarmListing], list[SwarmReport]]:
-    """One edge's exchange (``PeerDirectory.share``): write what its heartbeats said, read every edge's."""
+def exchange_swarm_directory(conn: sqlite3.Connection, listed: list[SwarmListing], seen: list[str],
+                             dropped: list[tuple[str, int]], reported: list[SwarmReport], *, seen_ms: int, now_ms: int,
+                             listing_ttl_ms: int, report_ttl_ms: int, max_listings: int,
+                             reports_per_peer: int) -> tuple[list[SwarmListing], list[SwarmReport]]:
+    """One edge's exchange (``PeerDirectory.share``): write what its heartbeats said (new or changed listings
+    whole, the nodes in ``seen`` only seen again at ``seen_ms``), then read every edge's."""
+    refresh_swarm_listings(conn, seen, seen_ms)
     write_swarm_listings(conn, listed, dropped, now_ms, listing_ttl_ms, max_listings)
     write_swarm_reports(conn, reported, now_ms, report_ttl_ms, max_listings, reports_per_peer)
     return swarm_directory(conn, now_ms, listing_ttl_ms, max_listings)

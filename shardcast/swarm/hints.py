@@ -142,7 +142,7 @@ ListingRow = tuple[str, str, tuple[str, ...], tuple[int, ...], int]
 ReportRow = tuple[str, str, int]
 """A bad-peer report as the shared store keeps it: (reported peer id, reporter's network, when in ms)."""
 Exchange = Callable[..., Awaitable[tuple[list[ListingRow], list[ReportRow]]]]
-"""``exchange(listed, dropped, reported, *, now_ms, listing_ttl_ms, report_ttl_ms, max_listings,
+"""``exchange(listed, seen, dropped, reported, *, seen_ms, now_ms, listing_ttl_ms, report_ttl_ms, max_listings,
 reports_per_peer)``: writes one edge's news to the shared store and returns the whole shared directory
 (the coordinator's ``store.exchange_swarm_directory`` in a writer transaction)."""
 
@@ -163,7 +163,8 @@ class PeerDirectory:
     With ``exchange`` (edge processes sharing a PostgreSQL store) the directory is shared: a heartbeat
     still only changes this process's memory (no store round trip per heartbeat), and :meth:`share_forever`
     writes what changed here to the store every ``resign_s``, in one transaction, and takes the store's
-    directory, every edge's nodes and reports, as this process's view. A node heartbeating to one edge is
+    directory, every edge's nodes and reports, as this process's view. A listing is written whole only
+    when it changed; the nodes that only beat again are marked seen in one statement. A node heartbeating to one edge is
     so announced by every edge within two ``resign_s``, and reports through different edges add up. The
     clock must then be one that every process agrees on (the wall clock, the default with ``exchange``).
     """
@@ -179,7 +180,8 @@ class PeerDirectory:
         self._reports: dict[str, dict[str, float]] = {}  # bad peer id -> reporter's network -> when
         self._signed: tuple[int, float, bytes] | None = None  # (version, when, document)
         # With ``exchange``: what this process heard since it last wrote to the store (the latest word wins).
-        self._listed_here: dict[str, _Listing] = {}
+        self._listed_here: dict[str, _Listing] = {}  # new or changed listings
+        self._seen_here: dict[str, float] = {}  # node id -> when it last beat with its listing unchanged
         self._dropped_here: dict[str, float] = {}  # node id -> when its heartbeat unlisted it
         self._reported_here: dict[tuple[str, str], float] = {}  # (bad peer id, network) -> when
 
@@ -215,7 +217,11 @@ class PeerDirectory:
             self._signed = None  # the announcement changes at once; only a node's being seen again does not
         listing = self._listings[node_id] = _Listing(hint, self.clock())
         if self.exchange is not None:
-            self._listed_here[node_id] = listing
+            if old is None or old.hint != hint or node_id in self._listed_here:
+                self._listed_here[node_id] = listing
+                self._seen_here.pop(node_id, None)
+            else:
+                self._seen_here[node_id] = listing.seen
             self._dropped_here.pop(node_id, None)
 
     def _report(self, reporter: str, bad_peers: Sequence[str], observed: str) -> None:
@@ -266,6 +272,7 @@ class PeerDirectory:
         self._drop(node_id)
         if self.exchange is not None:
             self._listed_here.pop(node_id, None)
+            self._seen_here.pop(node_id, None)
             if node_id in self._dropped_here or len(self._dropped_here) < self.max_peers:
                 self._dropped_here[node_id] = self.clock()
 
@@ -298,23 +305,19 @@ class PeerDirectory:
         """Write what this process heard since the last exchange to the shared store, and take the store's
         directory as this process's view. Raises what ``exchange`` raises (the store unavailable); what was
         not written is kept for the next exchange."""
-        listed, dropped, reported = self._listed_here, self._dropped_here, self._reported_here
-        self._listed_here, self._dropped_here, self._reported_here = {}, {}, {}
+        listed, seen, dropped, reported = self._listed_here, self._seen_here, self._dropped_here, self._reported_here
+        self._listed_here, self._seen_here, self._dropped_here, self._reported_here = {}, {}, {}, {}
         try:
             listings, reports = await self.exchange(
                 [(n, x.hint.peer_id, x.hint.addrs, x.hint.versions, _ms(x.seen)) for n, x in listed.items()],
-                [(n, _ms(when)) for n, when in dropped.items()],
+                list(seen), [(n, _ms(when)) for n, when in dropped.items()],
                 [(peer, network, _ms(when)) for (peer, network), when in reported.items()],
-                now_ms=_ms(self.clock()), listing_ttl_ms=_ms(self.ttl_s), report_ttl_ms=_ms(self.report_ttl_s),
-                max_listings=self.max_peers, reports_per_peer=self.reports_to_withhold)
+                # One time for every node that only beat again: the earliest, so none is kept longer than ttl_s.
+                seen_ms=_ms(min(seen.values(), default=0)), now_ms=_ms(self.clock()), listing_ttl_ms=_ms(self.ttl_s),
+                report_ttl_ms=_ms(self.report_ttl_s), max_listings=self.max_peers,
+                reports_per_peer=self.reports_to_withhold)
         except BaseException:
-            # Not written: kept under what was heard meanwhile (newer, so it wins).
-            for n in self._dropped_here:
-                listed.pop(n, None)
-            for n in self._listed_here:
-                dropped.pop(n, None)
-            self._listed_here, self._dropped_here = {**listed, **self._listed_here}, {**dropped, **self._dropped_here}
-            self._reported_here = {**reported, **self._reported_here}
+            self._keep_unwritten(listed, seen, dropped, reported)
             raise
         before = self._announced()
         self._listings = {n: _Listing(PeerHint(peer, tuple(addrs), tuple(versions)), ms / 1000)
@@ -325,12 +328,27 @@ class PeerDirectory:
         # Heard while the exchange ran: not in the store yet, and still this process's latest word.
         for n, listing in self._listed_here.items():
             self._listings[n] = listing
+        for n, when in self._seen_here.items():
+            if n in self._listings:
+                self._listings[n].seen = when
         for n in self._dropped_here:
             self._listings.pop(n, None)
         for (peer, network), when in self._reported_here.items():
             self._add_report(peer, network, when)
         if self._announced() != before:
             self._signed = None
+
+    def _keep_unwritten(self, listed: dict[str, _Listing], seen: dict[str, float], dropped: dict[str, float],
+                        reported: dict[tuple[str, str], float]) -> None:
+        """A failed exchange wrote nothing: what it carried is kept for the next, under what was heard meanwhile
+        (newer, so it wins)."""
+        for n in [n for n in self._seen_here if n in listed]:  # beat again, but its listing is still unwritten
+            self._listed_here[n] = _Listing(listed[n].hint, self._seen_here.pop(n))
+        newer = self._listed_here.keys() | self._seen_here.keys() | self._dropped_here.keys()
+        self._listed_here.update({n: x for n, x in listed.items() if n not in newer})
+        self._seen_here.update({n: when for n, when in seen.items() if n not in newer})
+        self._dropped_here.update({n: when for n, when in dropped.items() if n not in newer})
+        self._reported_here = {**reported, **self._reported_here}
 
     async def share_forever(self) -> None:
         """:meth:`share` every ``resign_s`` until cancelled; a failed exchange (the store restarting) is a

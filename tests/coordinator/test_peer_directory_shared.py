@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+from pg_cluster import throwaway_cluster
+
 from veriroll.coordinator import store as st
 from veriroll.protos.identity import PrivateKey
 from veriroll.shardcast.swarm.hints import PeerDirectory, PeerHint, verify_peer_hints
@@ -106,11 +109,11 @@ def test_reports_from_two_networks_through_two_edges_withhold_the_peer_until_the
 def test_the_shared_tables_stay_bounded_and_an_older_listing_does_not_overwrite_a_newer(store_target):
     db = st.Database(store_target)
     now = 10_000_000
-    bounds = {"now_ms": now, "listing_ttl_ms": 60_000, "report_ttl_ms": 600_000, "max_listings": 3,
+    bounds = {"seen_ms": 0, "now_ms": now, "listing_ttl_ms": 60_000, "report_ttl_ms": 600_000, "max_listings": 3,
               "reports_per_peer": 2}
 
-    def exchange(listed=(), dropped=(), reported=(), **kw):
-        return db.run_sync(lambda c: st.exchange_swarm_directory(c, list(listed), list(dropped), list(reported),
+    def exchange(listed=(), dropped=(), reported=(), seen=(), **kw):
+        return db.run_sync(lambda c: st.exchange_swarm_directory(c, list(listed), list(seen), list(dropped), list(reported),
                                                                  **{**bounds, **kw}))
 
     try:
@@ -139,3 +142,39 @@ def test_the_shared_tables_stay_bounded_and_an_older_listing_does_not_overwrite_
     assert sorted(by_peer) == sorted([*REPORTERS, "12D3KooWPeer" + "8".zfill(40)])
     assert sorted(by_peer[REPORTERS[0]]) == ["198.51.4.0/24", "198.51.6.0/24"]
     assert later == []
+
+
+@pytest.fixture()
+def own_pg():
+    """A cluster of this test's own, which it stops and starts again."""
+    yield from throwaway_cluster()
+
+
+def test_what_an_edge_heard_while_the_store_was_down_is_written_once_it_is_back(own_pg):
+    key, clock, db = PrivateKey.generate(), FakeClock(), st.Database(own_pg.new_database())
+    a, b = edges_over(db, key, clock)
+
+    async def scenario():
+        a.record("node-1", PEER, ["/ip4/203.0.113.7/tcp/4001"], [5], "203.0.113.7")
+        a.record("r1", REPORTERS[0], ["/ip4/198.51.100.1/tcp/1"], [5], "198.51.100.1", [OTHER])
+        own_pg.stop_server()
+        with pytest.raises(st.StoreUnavailable):
+            await a.share()
+        clock.now += 1
+        a.record("node-1", PEER, ["/ip4/203.0.113.7/tcp/4001"], [5], "203.0.113.7")  # beats again, unwritten
+        own_pg.start_server()
+        for _ in range(100):  # the connection reopens by itself, at most every RECONNECT_EVERY_S
+            try:
+                await a.share()
+                break
+            except st.StoreUnavailable:
+                await asyncio.sleep(0.1)
+        await b.share()
+        return announced(b, key), b._reports, b._listings["node-1"].seen
+
+    try:
+        hints, reports, seen = asyncio.run(scenario())
+    finally:
+        db.close()
+    assert set(hints) == {PEER, REPORTERS[0]} and seen == clock.now  # its latest beat
+    assert reports == {OTHER: {"198.51.100.0/24": clock.now - 1}}
