@@ -1371,14 +1371,17 @@ def write_swarm_listings(conn: sqlite3.Connection, listed: list[SwarmListing], d
     nothing) and take ``dropped`` (node id, when its heartbeat unlisted it) off. A node not listed yet is
     added only while fewer than ``max_listings`` are; edges that add at the same moment may overshoot, and
     the last listed go first."""
-    conn.execute("DELETE FROM swarm_listings WHERE seen_ms < ?", (now_ms - ttl_ms,))
+    # Every edge forgets the same expired rows: SKIP LOCKED (PostgreSQL) leaves a row another edge is deleting
+    # to that edge instead of waiting on it inside a batch that holds other locks (a deadlock to retry).
+    conn.execute("DELETE FROM swarm_listings WHERE node_id IN "
+                 "(SELECT node_id FROM swarm_listings WHERE seen_ms < ? /*SKIP LOCKED*/)", (now_ms - ttl_ms,))
     if dropped:
         conn.executemany("DELETE FROM swarm_listings WHERE node_id = ? AND seen_ms <= ?", dropped)
     if listed:
         known = _present(conn, "SELECT node_id FROM swarm_listings WHERE node_id IN ({marks})", [x[0] for x in listed])
         room = max_listings - int(conn.execute("SELECT COUNT(*) FROM swarm_listings").fetchone()[0])
         rows = []
-        for node_id, peer_id, addrs, versions, seen_ms in listed:
+        for node_id, peer_id, addrs, versions, seen_ms in sorted(listed):  # rows locked in key order
             if node_id not in known:
                 if room <= 0:
                     continue
@@ -1398,6 +1401,7 @@ def write_swarm_listings(conn: sqlite3.Connection, listed: list[SwarmListing], d
 def refresh_swarm_listings(conn: sqlite3.Connection, node_ids: list[str], seen_ms: int) -> None:
     """Nodes whose listing did not change beat again: seen at ``seen_ms``, in one statement."""
     if node_ids:
+        node_ids = sorted(node_ids)
         conn.execute(f"UPDATE swarm_listings SET seen_ms = ? WHERE seen_ms < ? AND node_id IN ({','.join('?' * len(node_ids))})",
                      (seen_ms, seen_ms, *node_ids))
 
@@ -1406,7 +1410,8 @@ def write_swarm_reports(conn: sqlite3.Connection, reported: list[SwarmReport], n
                         max_peers: int, per_peer: int) -> None:
     """Forget reports older than ``ttl_ms``; add ``reported``, about at most ``max_peers`` peers (the last
     reported go first when edges overshoot together), keeping each peer's ``per_peer`` newest networks."""
-    conn.execute("DELETE FROM swarm_reports WHERE reported_ms <= ?", (now_ms - ttl_ms,))
+    conn.execute("DELETE FROM swarm_reports WHERE (peer_id, network) IN "
+                 "(SELECT peer_id, network FROM swarm_reports WHERE reported_ms <= ? /*SKIP LOCKED*/)", (now_ms - ttl_ms,))
     if not reported:
         return
     peers = list(dict.fromkeys(x[0] for x in reported))

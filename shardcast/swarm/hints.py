@@ -164,9 +164,10 @@ class PeerDirectory:
     still only changes this process's memory (no store round trip per heartbeat), and :meth:`share_forever`
     writes what changed here to the store every ``resign_s``, in one transaction, and takes the store's
     directory, every edge's nodes and reports, as this process's view. A listing is written whole only
-    when it changed; the nodes that only beat again are marked seen in one statement. A node heartbeating to one edge is
-    so announced by every edge within two ``resign_s``, and reports through different edges add up. The
-    clock must then be one that every process agrees on (the wall clock, the default with ``exchange``).
+    when it changed; the nodes that only beat again are marked seen in one statement. A node heartbeating
+    to one edge is so announced by every edge within two ``resign_s``, and reports through different edges
+    add up. The clock must then be one that every process agrees on (the wall clock, the default with
+    ``exchange``).
     """
 
     def __init__(self, key: PrivateKey, *, ttl_s: float = 60.0, resign_s: float = 5.0, max_peers: int = MAX_PEERS,
