@@ -218,12 +218,18 @@ async def _start(base: Path, cfg: CoordinatorConfig, lock: DirectoryLock | None)
     key = load_private_key(resolve_path(base, cfg.key))
     metrics = CoordinatorMetrics()
     policy = PolicyState(version=int(version), relays=list(cfg.shardcast.relays))
+    # Edges sharing a PostgreSQL store share the swarm's directory through it (one process on SQLite: memory).
+    shared = st.store_pg.is_url(str(db.path)) and cfg.role in ("all", "edge")
+    exchange = (lambda *a, **kw: db.run(lambda c: st.exchange_swarm_directory(c, *a, **kw))) if shared else None
+    peer_directory = PeerDirectory(key, exchange=exchange)
     service = CoordinatorService(
         cfg, db, environment=env, tokenizer=policy_store.tokenizer, vocab_size=policy_store.vocab_size,
         stop_token_ids=cfg.leases.stop_token_ids or policy_store.stop_token_ids, coordinator_key=key.public, policy=policy,
-        verifier=verifier, metrics=metrics, peer_directory=PeerDirectory(key),
+        verifier=verifier, metrics=metrics, peer_directory=peer_directory,
     )
     coord = Coordinator(base, cfg, db, service, policy_store, lock=lock)
+    if shared:
+        coord.tasks.append(asyncio.create_task(peer_directory.share_forever(), name="veriroll-share-peer-directory"))
     try:
         await _start_parts(coord, key)
     except BaseException:

@@ -287,6 +287,25 @@ CREATE TABLE IF NOT EXISTS verify_jobs (
 CREATE INDEX IF NOT EXISTS verify_jobs_state ON verify_jobs(state, job_id);
 """
 
+# --- the swarm's peer directory (shared by edges; operations in store.py's section of the same name) --------
+
+SWARM_SCHEMA = """
+CREATE TABLE IF NOT EXISTS swarm_listings (
+    node_id TEXT PRIMARY KEY,
+    peer_id TEXT NOT NULL,
+    addrs TEXT NOT NULL,
+    versions TEXT NOT NULL,
+    listed_ms BIGINT NOT NULL,
+    seen_ms BIGINT NOT NULL
+);
+CREATE TABLE IF NOT EXISTS swarm_reports (
+    peer_id TEXT NOT NULL,
+    network TEXT NOT NULL,
+    reported_ms BIGINT NOT NULL,
+    PRIMARY KEY (peer_id, network)
+);
+"""
+
 SCHEMA_LOCK = 7_294_017  # pg_advisory_xact_lock key: processes starting together create the schema once
 
 
@@ -485,7 +504,7 @@ def first_line(exc: BaseException) -> str:
 
 
 SCHEMA_MARK = "veriroll schema " + hashlib.sha256(
-    (SCHEMA + COUNTERS_SCHEMA + VERIFY_JOBS_SCHEMA).encode()).hexdigest()[:16]
+    (SCHEMA + COUNTERS_SCHEMA + VERIFY_JOBS_SCHEMA + SWARM_SCHEMA).encode()).hexdigest()[:16]
 """Written as the comment of table ``nodes`` once :data:`SCHEMA` ran: a connection that finds it skips the
 DDL. Running it again is harmless to the data but not to the processes working on it: ``CREATE INDEX IF
 NOT EXISTS`` takes a SHARE lock on its table before it finds the index there, and ``ALTER TABLE ... IF NOT
@@ -505,6 +524,7 @@ def connect(url: str) -> PgConnection:
             conn._conn.execute(SCHEMA)
             conn._conn.execute(COUNTERS_SCHEMA)
             conn._conn.execute(VERIFY_JOBS_SCHEMA)
+            conn._conn.execute(SWARM_SCHEMA)
             conn._conn.execute(f"COMMENT ON TABLE nodes IS '{SCHEMA_MARK}'")
         conn.execute("COMMIT")
     except BaseException:

@@ -13,21 +13,26 @@ signed with Ed25519 over ``SIGNING_CONTEXT + canonical JSON`` (sorted keys, no w
 manifest.
 
 :class:`PeerDirectory` is the coordinator's side: it keeps what each node's heartbeat says about its
-swarm and signs the current list into the policy announcement.
+swarm and signs the current list into the policy announcement. With several edge processes on one store,
+each shares its directory through the store (``exchange``), so every edge announces every edge's nodes.
 """
 
 from __future__ import annotations
 
+import asyncio
 import ipaddress
 import json
+import logging
 import re
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
 from veriroll.protos.identity import PrivateKey, PublicKey
 
 from .errors import PeerHintsError
+
+log = logging.getLogger("veriroll.shardcast.swarm")
 
 SIGNING_CONTEXT = b"veriroll-swarm-peer-hints-v1\x00"
 MAX_HINTS_BYTES = 1024 * 1024
@@ -132,6 +137,20 @@ class _Listing:
     seen: float
 
 
+ListingRow = tuple[str, str, tuple[str, ...], tuple[int, ...], int]
+"""A listing as the shared store keeps it: (node id, peer id, addrs, versions, last seen in ms)."""
+ReportRow = tuple[str, str, int]
+"""A bad-peer report as the shared store keeps it: (reported peer id, reporter's network, when in ms)."""
+Exchange = Callable[..., Awaitable[tuple[list[ListingRow], list[ReportRow]]]]
+"""``exchange(listed, seen, dropped, reported, *, seen_ms, now_ms, listing_ttl_ms, report_ttl_ms, max_listings,
+reports_per_peer)``: writes one edge's news to the shared store and returns the whole shared directory
+(the coordinator's ``store.exchange_swarm_directory`` in a writer transaction)."""
+
+
+def _ms(seconds: float) -> int:
+    return int(seconds * 1000)
+
+
 class PeerDirectory:
     """Which nodes serve which versions, from their heartbeats; signed into the policy announcement.
 
@@ -140,16 +159,32 @@ class PeerDirectory:
     dial a host of its choosing. A node not heard from for ``ttl_s`` is dropped.
     The signed document is cached: signed again when the list changes, or every ``resign_s`` to drop the
     nodes gone silent (one Ed25519 signature per GetPolicy would be cheap, but the list is the same for all).
+
+    With ``exchange`` (edge processes sharing a PostgreSQL store) the directory is shared: a heartbeat
+    still only changes this process's memory (no store round trip per heartbeat), and :meth:`share_forever`
+    writes what changed here to the store every ``resign_s``, in one transaction, and takes the store's
+    directory, every edge's nodes and reports, as this process's view. A listing is written whole only
+    when it changed; the nodes that only beat again are marked seen in one statement. A node heartbeating
+    to one edge is so announced by every edge within two ``resign_s``, and reports through different edges
+    add up. The clock must then be one that every process agrees on (the wall clock, the default with
+    ``exchange``).
     """
 
     def __init__(self, key: PrivateKey, *, ttl_s: float = 60.0, resign_s: float = 5.0, max_peers: int = MAX_PEERS,
                  reports_to_withhold: int = 2, report_ttl_s: float = 3600.0,
-                 clock: Callable[[], float] = time.monotonic):
-        self.key, self.ttl_s, self.resign_s, self.max_peers, self.clock = key, ttl_s, resign_s, max_peers, clock
+                 clock: Callable[[], float] | None = None, exchange: Exchange | None = None):
+        self.key, self.ttl_s, self.resign_s, self.max_peers = key, ttl_s, resign_s, max_peers
+        self.clock = clock or (time.monotonic if exchange is None else time.time)
         self.reports_to_withhold, self.report_ttl_s = reports_to_withhold, report_ttl_s
+        self.exchange = exchange
         self._listings: dict[str, _Listing] = {}  # node id -> its latest swarm listing
         self._reports: dict[str, dict[str, float]] = {}  # bad peer id -> reporter's network -> when
         self._signed: tuple[int, float, bytes] | None = None  # (version, when, document)
+        # With ``exchange``: what this process heard since it last wrote to the store (the latest word wins).
+        self._listed_here: dict[str, _Listing] = {}  # new or changed listings
+        self._seen_here: dict[str, float] = {}  # node id -> when it last beat with its listing unchanged
+        self._dropped_here: dict[str, float] = {}  # node id -> when its heartbeat unlisted it
+        self._reported_here: dict[tuple[str, str], float] = {}  # (bad peer id, network) -> when
 
     def record(self, node_id: str, peer_id: str, addrs: Sequence[str], versions: Sequence[int], observed: str,
                bad_peers: Sequence[str] = ()) -> None:
@@ -162,7 +197,7 @@ class PeerDirectory:
         """
         self._report(peer_id, bad_peers, observed)
         if not peer_id:
-            self._drop(node_id)
+            self._unlist(node_id)
             return
         problem = peer_id_problem(peer_id)
         if problem is not None:
@@ -171,7 +206,7 @@ class PeerDirectory:
         dialable = dialable[:MAX_ADDRS]
         served = tuple(sorted({int(v) for v in versions if 0 <= v < 2**53}))[-MAX_VERSIONS:]
         if not dialable or not served:
-            self._drop(node_id)
+            self._unlist(node_id)
             return
         if node_id not in self._listings and len(self._listings) >= self.max_peers:
             self._expire()
@@ -181,7 +216,14 @@ class PeerDirectory:
         old = self._listings.get(node_id)
         if old is None or old.hint != hint:
             self._signed = None  # the announcement changes at once; only a node's being seen again does not
-        self._listings[node_id] = _Listing(hint, self.clock())
+        listing = self._listings[node_id] = _Listing(hint, self.clock())
+        if self.exchange is not None:
+            if old is None or old.hint != hint or node_id in self._listed_here:
+                self._listed_here[node_id] = listing
+                self._seen_here.pop(node_id, None)
+            else:
+                self._seen_here[node_id] = listing.seen
+            self._dropped_here.pop(node_id, None)
 
     def _report(self, reporter: str, bad_peers: Sequence[str], observed: str) -> None:
         try:
@@ -196,9 +238,19 @@ class PeerDirectory:
             if bad not in self._reports and len(self._reports) >= self.max_peers:
                 continue  # full of reports already: more of them withhold nobody new
             before = self.withheld(bad)
-            self._reports.setdefault(bad, {})[network] = now
+            self._add_report(bad, network, now)
+            if self.exchange is not None:
+                self._reported_here[(bad, network)] = now
             if self.withheld(bad) != before:
                 self._signed = None
+
+    def _add_report(self, bad: str, network: str, when: float) -> None:
+        """Keep only the ``reports_to_withhold`` latest networks' reports of ``bad``: the newest that many
+        decide :meth:`withheld` exactly, and a peer reported from every network costs no more memory."""
+        networks = self._reports.setdefault(bad, {})
+        networks[network] = max(when, networks.get(network, when))
+        while len(networks) > self.reports_to_withhold:
+            del networks[min(networks, key=networks.__getitem__)]
 
     def withheld(self, peer_id: str) -> bool:
         """True when ``peer_id`` was reported as serving bad bytes from enough networks to stop announcing it."""
@@ -216,6 +268,15 @@ class PeerDirectory:
         return any(listing.hint.peer_id == relay_id and relay_addr in listing.hint.addrs
                    for listing in self._listings.values())
 
+    def _unlist(self, node_id: str) -> None:
+        """The node's own heartbeat took it off the list (so it comes off every edge's, not only this one's)."""
+        self._drop(node_id)
+        if self.exchange is not None:
+            self._listed_here.pop(node_id, None)
+            self._seen_here.pop(node_id, None)
+            if node_id in self._dropped_here or len(self._dropped_here) < self.max_peers:
+                self._dropped_here[node_id] = self.clock()
+
     def _drop(self, node_id: str) -> None:
         if self._listings.pop(node_id, None) is not None:
             self._signed = None
@@ -225,14 +286,78 @@ class PeerDirectory:
         for node_id in [n for n, listing in self._listings.items() if now - listing.seen > self.ttl_s]:
             self._drop(node_id)
 
+    def _announced(self) -> tuple[PeerHint, ...]:
+        listed = (listing.hint for listing in self._listings.values() if not self.withheld(listing.hint.peer_id))
+        return tuple(sorted(listed, key=lambda h: h.peer_id))
+
     def signed(self, version: int) -> bytes:
         """The signed hints to announce with policy ``version``: every node heard from lately."""
         now = self.clock()
         if self._signed is not None and self._signed[0] == version and now - self._signed[1] < self.resign_s:
             return self._signed[2]
         self._expire()
-        listed = (listing.hint for listing in self._listings.values() if not self.withheld(listing.hint.peer_id))
-        hints = PeerHints(version, tuple(sorted(listed, key=lambda h: h.peer_id)))
-        document = sign_peer_hints(self.key, hints)
+        document = sign_peer_hints(self.key, PeerHints(version, self._announced()))
         self._signed = (version, now, document)
         return document
+
+    # --- sharing through the store (several edge processes) -----------------------------------------------
+
+    async def share(self) -> None:
+        """Write what this process heard since the last exchange to the shared store, and take the store's
+        directory as this process's view. Raises what ``exchange`` raises (the store unavailable); what was
+        not written is kept for the next exchange."""
+        listed, seen, dropped, reported = self._listed_here, self._seen_here, self._dropped_here, self._reported_here
+        self._listed_here, self._seen_here, self._dropped_here, self._reported_here = {}, {}, {}, {}
+        try:
+            listings, reports = await self.exchange(
+                [(n, x.hint.peer_id, x.hint.addrs, x.hint.versions, _ms(x.seen)) for n, x in listed.items()],
+                list(seen), [(n, _ms(when)) for n, when in dropped.items()],
+                [(peer, network, _ms(when)) for (peer, network), when in reported.items()],
+                # One time for every node that only beat again: the earliest, so none is kept longer than ttl_s.
+                seen_ms=_ms(min(seen.values(), default=0)), now_ms=_ms(self.clock()), listing_ttl_ms=_ms(self.ttl_s),
+                report_ttl_ms=_ms(self.report_ttl_s), max_listings=self.max_peers,
+                reports_per_peer=self.reports_to_withhold)
+        except BaseException:
+            self._keep_unwritten(listed, seen, dropped, reported)
+            raise
+        before = self._announced()
+        self._listings = {n: _Listing(PeerHint(peer, tuple(addrs), tuple(versions)), ms / 1000)
+                          for n, peer, addrs, versions, ms in listings}
+        self._reports = {}
+        for peer, network, ms in reports:
+            self._add_report(peer, network, ms / 1000)
+        # Heard while the exchange ran: not in the store yet, and still this process's latest word.
+        for n, listing in self._listed_here.items():
+            self._listings[n] = listing
+        for n, when in self._seen_here.items():
+            if n in self._listings:
+                self._listings[n].seen = when
+        for n in self._dropped_here:
+            self._listings.pop(n, None)
+        for (peer, network), when in self._reported_here.items():
+            self._add_report(peer, network, when)
+        if self._announced() != before:
+            self._signed = None
+
+    def _keep_unwritten(self, listed: dict[str, _Listing], seen: dict[str, float], dropped: dict[str, float],
+                        reported: dict[tuple[str, str], float]) -> None:
+        """A failed exchange wrote nothing: what it carried is kept for the next, under what was heard meanwhile
+        (newer, so it wins)."""
+        for n in [n for n in self._seen_here if n in listed]:  # beat again, but its listing is still unwritten
+            self._listed_here[n] = _Listing(listed[n].hint, self._seen_here.pop(n))
+        newer = self._listed_here.keys() | self._seen_here.keys() | self._dropped_here.keys()
+        self._listed_here.update({n: x for n, x in listed.items() if n not in newer})
+        self._seen_here.update({n: when for n, when in seen.items() if n not in newer})
+        self._dropped_here.update({n: when for n, when in dropped.items() if n not in newer})
+        self._reported_here = {**reported, **self._reported_here}
+
+    async def share_forever(self) -> None:
+        """:meth:`share` every ``resign_s`` until cancelled; a failed exchange (the store restarting) is a
+        warning line, and this process goes on announcing its last view meanwhile."""
+        while True:
+            try:
+                await self.share()
+            except Exception as exc:  # noqa: BLE001 - logged; the next exchange writes what this one did not
+                log.warning("sharing the peer directory through the store failed (%s); again in %g s", exc,
+                            self.resign_s)
+            await asyncio.sleep(self.resign_s)

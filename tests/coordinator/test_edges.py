@@ -1,7 +1,8 @@
 """The coordinator past one process: two edge processes sharing one port (SO_REUSEPORT) and one PostgreSQL
 store, and a trainer process, each a real `veriroll coordinator run --role ...`. Nodes are served by
-both edges; a request replayed to the other edge is refused (nonces live in the store); the trainer's
-new version reaches both edges; killing one edge leaves the other serving."""
+both edges; a request replayed to the other edge is refused (nonces live in the store); a node in the
+swarm on one edge is announced by the other (the peer directory lives in the store); the trainer's new
+version reaches both edges; killing one edge leaves the other serving."""
 
 from __future__ import annotations
 
@@ -22,12 +23,14 @@ from test_server import shaped_group
 
 from veriroll.coordinator import store as st
 from veriroll.protos.envelope import sign_request
-from veriroll.protos.identity import PrivateKey
+from veriroll.protos.identity import PrivateKey, PublicKey
 from veriroll.protos.service import CallError, SignedStub, full_method, secure_channel
 from veriroll.protos.v1 import coordinator_pb2 as pb
+from veriroll.shardcast.swarm.hints import PeerHint, verify_peer_hints
 
 VERIROLL = str(Path(sys.executable).parent / "veriroll")
 HANG_GUARD_S = 90
+PEER = "12D3KooWQrU8SK48Zi67oCxsmbZneBLv9xyULZ646RbLJ8tSCmMh"
 
 
 def free_port() -> int:
@@ -104,28 +107,53 @@ def test_two_edges_and_a_trainer_share_one_postgres_store(pg_url, tmp_path):
         start_edges_and_trainer(base, tmp_path, grpc_port, http, procs)
         ca = (base / "tls" / "ca.crt").read_bytes()
 
-        async def nodes():
-            stubs = []
-            for _ in range(6):  # each its own connection: the kernel spreads them over the two edges
+        async def placed_nodes() -> dict[str, list[SignedStub]]:
+            """Three registered nodes on each edge, each on its own connection: the kernel places a connection
+            (SO_REUSEPORT hashing), and the edge whose request count moved is the one it reached."""
+            placed: dict[str, list[SignedStub]] = {"edge-a": [], "edge-b": []}
+            for _ in range(40):
+                if all(len(on_edge) >= 3 for on_edge in placed.values()):
+                    break
+                before = {name: requests_served(http[name]) for name in placed}
                 stub = SignedStub(secure_channel(f"127.0.0.1:{grpc_port}", ca, server_name="localhost"),
                                   PrivateKey.generate(), timeout=20)
                 await stub.register(pb.RegisterRequest(public_key=stub.key.public.raw, software_version="test"))
-                stubs.append(stub)
-            for stub in stubs[:4]:
+                edge = next(name for name in placed if requests_served(http[name]) > before[name])
+                if len(placed[edge]) < 3:
+                    placed[edge].append(stub)
+                else:
+                    await stub.channel.close()
+            assert all(len(on_edge) == 3 for on_edge in placed.values()), placed
+            return placed
+
+        async def nodes():
+            placed = await placed_nodes()
+            on_a, on_b = placed["edge-a"], placed["edge-b"]
+            stubs = on_a + on_b
+            for stub in on_a[:2] + on_b[:2]:
                 lease = (await stub.lease_work(pb.LeaseRequest())).leases[0]
                 assert (await stub.submit_group(shaped_group(lease))).accepted
-            # One signed heartbeat sent on six connections: used once, whichever edge sees it first.
+            # One signed heartbeat sent on six connections, the first to edge A, then alternating: used once.
             body = pb.HeartbeatRequest().SerializeToString()
             metadata = sign_request(stubs[0].key, full_method("Heartbeat"), body)
             outcomes = []
-            for _ in range(6):
-                channel = secure_channel(f"127.0.0.1:{grpc_port}", ca, server_name="localhost")
+            for stub in (x for pair in zip(on_a, on_b, strict=True) for x in pair):
                 try:
-                    await channel.unary_unary(full_method("Heartbeat"))(body, metadata=metadata, timeout=20)
+                    await stub.channel.unary_unary(full_method("Heartbeat"))(body, metadata=metadata, timeout=20)
                     outcomes.append("ok")
                 except grpc.aio.AioRpcError as err:
                     outcomes.append(dict(err.trailing_metadata() or ()).get("x-veriroll-reason"))
-                await channel.close()
+            # A node serving the swarm heartbeats to edge A; a node on edge B is told about it (the edges
+            # share the peer directory through the store, every resign_s).
+            swarm = pb.HeartbeatRequest(swarm_peer_id=PEER, swarm_addrs=["/ip4/127.0.0.1/tcp/4001"], swarm_versions=[0])
+            await on_a[2].heartbeat(swarm)
+            hinted = ()
+            for _ in range(HANG_GUARD_S * 5):
+                policy = (await on_b[2].get_policy()).policy
+                hinted = verify_peer_hints(policy.peer_hints, PublicKey(policy.coordinator_public_key)).peers
+                if hinted:
+                    break
+                await asyncio.sleep(0.2)
             # The trainer steps on the four groups and commits version 1; both edges follow.
             versions = {}
             for _ in range(HANG_GUARD_S * 5):
@@ -151,17 +179,18 @@ def test_two_edges_and_a_trainer_share_one_postgres_store(pg_url, tmp_path):
                     except CallError:
                         await asyncio.sleep(0.2)
                 await fresh.channel.close()
-            return outcomes, set(versions.values()), served, after
+            return outcomes, set(versions.values()), served, after, hinted
 
-        outcomes, versions, served, after = asyncio.run(nodes())
+        outcomes, versions, served, after, hinted = asyncio.run(nodes())
         db = st.Database(pg_url)
         summary = db.run_sync(st.status_summary)
         db.close()
     finally:
         stop_all(procs)
 
-    assert sorted(outcomes) == ["ok"] + ["replayed_nonce"] * 5
+    assert outcomes == ["ok"] + ["replayed_nonce"] * 5  # refused on edge B too: the nonce is in the store
     assert served["edge-a"] > 0 and served["edge-b"] > 0, served  # both edges took part
+    assert hinted == (PeerHint(PEER, ("/ip4/127.0.0.1/tcp/4001",), (0,)),)
     assert versions == {1} and summary["trainer_step"] >= 1 and summary["accepted_groups"] == 4
     assert after == [1] * 6  # every node reached the surviving edge
     assert procs["edge-b"].returncode == 0 and procs["trainer"].returncode == 0
