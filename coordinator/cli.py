@@ -308,7 +308,9 @@ def _query(args, *ops, with_config: bool = False):
         print(exc, file=sys.stderr)
         return None
     try:
-        return [db.run_sync(op) for op in ops] + ([cfg] if with_config else [])
+        # On the reader: on PostgreSQL one snapshot per op (the writer's READ COMMITTED transaction would let a
+        # summary of several tables straddle another process's commit).
+        return [db.read(op).result() for op in ops] + ([cfg] if with_config else [])
     finally:
         db.close()
 

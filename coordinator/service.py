@@ -317,8 +317,8 @@ class CoordinatorService:
         return st.expire_leases(conn, now)
 
     async def refresh_gauges(self) -> dict[str, Any]:
-        summary = await self.db.run_read(st.status_summary)
-        standings = await self.db.run_read(st.standing_counts)
+        # One read, so one snapshot on PostgreSQL: the queue depth and the standings of the same moment.
+        summary, standings = await self.db.run_read(lambda c: (st.status_summary(c), st.standing_counts(c)))
         self.metrics.queue_depth.set(summary["unconsumed_groups"])
         self.metrics.policy_version.set(self.policy.version)
         for standing, n in standings.items():

@@ -757,8 +757,11 @@ def record_refusal(conn: sqlite3.Connection, node_id: str, reason: str, *, strik
 
 def expire_leases(conn: sqlite3.Connection, now_ms: int) -> int:
     """Open leases past their deadline become expired; their prompts go back to the pool."""
-    rows = conn.execute("UPDATE leases SET state = ? WHERE state = ? AND deadline_ms < ? RETURNING prompt_id",
-                        (LeaseState.EXPIRED, LeaseState.OPEN, now_ms)).fetchall()
+    # SKIP LOCKED (PostgreSQL): a lease another edge's transaction is expiring (or submitting) right now is
+    # left to it, instead of this writer waiting on its row lock until that transaction commits.
+    rows = conn.execute("UPDATE leases SET state = ? WHERE state = ? AND lease_id IN (SELECT lease_id FROM leases "
+                        "WHERE state = ? AND deadline_ms < ? /*SKIP LOCKED*/) RETURNING prompt_id",
+                        (LeaseState.EXPIRED, LeaseState.OPEN, LeaseState.OPEN, now_ms)).fetchall()
     for r in rows:
         _return_prompt(conn, r["prompt_id"])
     return len(rows)
