@@ -19,7 +19,7 @@ From these the script names the resource that runs out first and what to split.
 Past one process, the same fleet (``--edge-nodes`` at ``--edge-think-s``, offering more than one edge
 holds) meets one ``--role all`` process on SQLite, then one and two ``--role edge`` processes sharing
 one gRPC port (SO_REUSEPORT) on a throwaway PostgreSQL cluster (tests/pg_cluster.py; fsync off), no
-trainer; then ``--fleet-nodes`` at ``--think-s`` meet the two edges. Each run stands beside the
+trainer; then ``--fleet-nodes`` at ``--think-s`` meet one SQLite process and the two edges. Each run stands beside the
 planner's prediction (coordinator/plan.py) from the unit costs that run measured (CPU per accepted group
 of the edges, the clients and PostgreSQL) on this machine's model: its cores, less what other processes
 took in the window, shared by the edges, PostgreSQL and the clients. benchmarks/intake.py and, where it exists,
@@ -32,7 +32,8 @@ benchmarks/verify_pool.py run as children for ``intake_ratio`` and ``verify_grou
 Prints one human line per run and the verdict, then one JSON line: ``groups_per_s`` (per deployment),
 ``edge_scaling`` (2 edges / 1 edge on PostgreSQL) and ``edge_scaling_cpu_bound`` (the most this
 machine's cores allow with the clients on them), ``fleet_held_fraction`` and ``fleet_submit_p99_ms``
-(``--fleet-nodes`` on 2 edges), ``predicted_groups_per_s`` / ``measured_groups_per_s`` (that run), ``predicted_ratio`` (predicted / measured,
+(``--fleet-nodes`` on 2 edges; ``fleet_sqlite_held_fraction`` and ``fleet_sqlite_submit_p99_ms`` the same
+fleet on one SQLite process), ``predicted_groups_per_s`` / ``measured_groups_per_s`` (that run), ``predicted_ratio`` (predicted / measured,
 per deployment),
 ``intake_ratio``, ``verify_groups_per_s_1/_2``, ``scale_out`` (every run's figures), ``scales`` (the
 sweep's per-scale figures), ``verdict``, ``saturation``, ``fixed_costs``, ``config``.
@@ -740,9 +741,13 @@ def scale_out(args, root: Path, commit_ms: float) -> dict:
     fleet = argparse.Namespace(**{**vars(args), "think_s": args.edge_think_s})
     runs = {"sqlite_1_edge": deployment_figures(run_scale(args.edge_nodes, fleet, root, label="sqlite-1"), fleet, 1,
                                                 commit_ms)}
+    # The large fleet also meets one process on SQLite: on a small box with no PostgreSQL to run, that is the
+    # deployment (and no store process shares the cores).
+    fleet_sqlite = deployment_figures(run_scale(args.fleet_nodes, args, root, label=f"fleet-sqlite-{args.fleet_nodes}"),
+                                      args, 1, commit_ms)
     why = unavailable()
     if why is not None:
-        return {"runs": runs, "postgresql": f"not measured: {why}"}
+        return {"runs": runs, "fleet_sqlite": fleet_sqlite, "postgresql": f"not measured: {why}"}
     cluster = Cluster()
     try:
         pid = postmaster_pid(cluster)
@@ -769,6 +774,7 @@ def scale_out(args, root: Path, commit_ms: float) -> dict:
         "edge_scaling": round(two["groups_per_s"] / one["groups_per_s"], 2) if one["groups_per_s"] else None,
         "edge_scaling_cpu_bound": edge_scaling_cpu_bound(on_postgres[2], fleet, commit_ms),
         "fleet": fleet_run,
+        "fleet_sqlite": fleet_sqlite,
     }
 
 
@@ -848,7 +854,7 @@ def main() -> int:
         summary, text = verdict(figures, costs)
         print(text, flush=True)
         out = scale_out(args, root, costs["sqlite_commit_ms"])
-        for name, run in [*out["runs"].items(), ("fleet", out.get("fleet"))]:
+        for name, run in [*out["runs"].items(), ("fleet", out.get("fleet")), ("fleet_sqlite", out.get("fleet_sqlite"))]:
             if run:
                 print(f"{name}: {run['nodes']} nodes, measured {run['groups_per_s']:.1f} groups/s, predicted "
                       f"{run['predicted_groups_per_s']} (x{run['predicted_ratio']}, {run['bottleneck']}; edges "
@@ -875,10 +881,13 @@ def main() -> int:
         "edge_scaling": out.get("edge_scaling"), "edge_scaling_cpu_bound": out.get("edge_scaling_cpu_bound"),
         "fleet_nodes": fleet.get("nodes"), "fleet_held_fraction": fleet.get("held_fraction"),
         "fleet_submit_p99_ms": fleet.get("submit_p99_ms"),
+        "fleet_sqlite_held_fraction": (out.get("fleet_sqlite") or {}).get("held_fraction"),
+        "fleet_sqlite_submit_p99_ms": (out.get("fleet_sqlite") or {}).get("submit_p99_ms"),
         "predicted_groups_per_s": fleet.get("predicted_groups_per_s"),
         "measured_groups_per_s": fleet.get("groups_per_s"),
         # Every deployment: the planner's prediction from that run's unit costs / what it held.
-        "predicted_ratio": {name: run.get("predicted_ratio") for name, run in [*runs.items(), ("fleet", fleet)]},
+        "predicted_ratio": {name: run.get("predicted_ratio") for name, run in [*runs.items(), ("fleet", fleet),
+                                                                               ("fleet_sqlite", out.get("fleet_sqlite") or {})]},
         "verify_groups_per_s_1": verify["verify_groups_per_s_1"], "verify_groups_per_s_2": verify["verify_groups_per_s_2"],
         "intake_ratio": intake["ratio"], "intake": intake, "verify": verify, "scale_out": out,
         "scales": figures, "saturation": summary, "verdict": text, "fixed_costs": costs,
