@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import errno
 import fcntl
+import gc
 import json
 import logging
 import os
@@ -380,6 +381,7 @@ async def serve_forever(base_dir: str | Path, overrides=(), stop: asyncio.Event 
         stop_signal.cancel()
         raise starting.exception()
     coord = starting.result()
+    freeze_startup_objects()
     await stop_signal
     log.info("shutting down")
     if await coord.stop():
@@ -389,6 +391,16 @@ async def serve_forever(base_dir: str | Path, overrides=(), stop: asyncio.Event 
     log.warning("stopped; leaving the parts still busy behind")
     logging.shutdown()
     os._exit(0)
+
+
+def freeze_startup_objects() -> int:
+    """Move every object alive now (modules, the model, the tokenizer: ~400k of them) out of the cyclic
+    collector's sight, for good; returns how many. They live as long as the process, yet each full
+    collection scanned them all: ~180 ms with the tiny model loaded, a pause that every request in flight
+    waited out (the fleet benchmark's submit p99). Later full collections scan only what came after."""
+    gc.collect()
+    gc.freeze()
+    return gc.get_freeze_count()
 
 
 async def _release_memory_forever() -> None:

@@ -60,7 +60,9 @@ class Ledger:
         if hit is not None and hit[0] is not None and now - hit[1] < CACHE_TTL_MS:
             self._cache.move_to_end(node_id)
             return hit[0]
-        row = await self.db.run_read(lambda c: st.node_by_id(c, node_id))
+        # Inline on SQLite (one row by key): every request of a node not seen for CACHE_TTL_MS comes here,
+        # and the hop to the reader thread and back cost more than the read.
+        row = await self.db.run_read(lambda c: st.node_by_id(c, node_id), inline=True)
         node = None if row is None else _info(row)
         if node is not None:  # unknown keys are not cached: a flood of them must not evict real nodes
             self._remember(node)
