@@ -131,12 +131,15 @@ def test_an_unknown_key_costs_one_row_read_not_a_reload_of_every_node(tmp_path):
                 "INSERT INTO nodes(node_id, public_key, registered_ms, last_seen_ms) VALUES(?, ?, 0, 0)",
                 [(f"{i:032x}", bytes(32)) for i in range(2000)]))
             statements = []
-            reader = coord.db.read(lambda c: c).result()  # the reader thread's connection
-            reader.set_trace_callback(statements.append)
+            # Reads run on the reader thread's connection, short ones inline on the loop thread's own.
+            readers = [coord.db.read(lambda c: c).result(), await coord.db.run_read(lambda c: c, inline=True)]
+            for reader in readers:
+                reader.set_trace_callback(statements.append)
             async with node_client(coord, register=False) as stranger:
                 await expect_refusal(stranger.heartbeat(pb.HeartbeatRequest()), grpc.StatusCode.UNAUTHENTICATED,
                                      "unknown_key")
-            reader.set_trace_callback(None)
+            for reader in readers:
+                reader.set_trace_callback(None)
             return statements
 
     statements = run(scenario())
