@@ -222,8 +222,11 @@ def test_new_keys_from_one_address_spread_over_two_edges_get_one_budget(faulty_p
 
 def test_killing_one_edge_under_load_loses_no_group_and_trains_none_twice(faulty_pg, tmp_path):
     url = faulty_pg.new_database()
+    # A step every 4 groups moves the version fast: a node delayed by reconnects under a loaded machine could
+    # find its group more than the default s_max (2) behind and be refused stale_version, which is right but
+    # not what this test is about (seen once in a loaded full run); the window is widened for it.
     base = make_coordinator_dir(tmp_path, {"database": url, "trainer.enabled": True, "trainer.min_groups": 4,
-                                           "trainer.groups_per_step": 4, "trainer.lr": 1e-3,
+                                           "trainer.groups_per_step": 4, "trainer.lr": 1e-3, "intake.s_max": 1000,
                                            "leases.probation_max_open": 8, "leases.max_open_per_node": 8})
     grpc_port, http = edge_ports()
     procs = {}
