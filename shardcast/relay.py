@@ -875,6 +875,9 @@ class RelayServer:
             # Blind on purpose: whatever one round hits (it is logged with its traceback and shown in
             # /status), the relay keeps serving what it holds and tries again next round.
             except Exception as exc:
+                task = asyncio.current_task()
+                if task is not None and task.cancelling():
+                    raise asyncio.CancelledError from exc  # stopping: whatever the round hit on its way out
                 self.mirror_last_error = f"{type(exc).__name__}: {exc}"
                 log.exception("mirror round failed")
             await asyncio.sleep(self.poll_interval)
@@ -911,7 +914,11 @@ async def _fetch_on_own_loop(*args, on_staged, on_verified, **kwargs) -> FetchRe
         # Set before looking, and the thread registers before it checks: one of the two sees the other.
         cancelled.set()
         for loop, task in running:
-            loop.call_soon_threadsafe(task.cancel)
+            # A loop already closed ran its fetch to the end: there is nothing left to cancel. (Raising here
+            # turned the cancellation into a RuntimeError, which the mirror loop logged and went on from,
+            # so that a relay stopping at that moment never stopped; seen under load.)
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(task.cancel)
         with contextlib.suppress(BaseException):
             await done
         raise
