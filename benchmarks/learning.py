@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -29,6 +28,8 @@ import time
 from pathlib import Path
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+from procs import stop_processes
 
 from veriroll.coordinator import store as st
 
@@ -147,14 +148,7 @@ def main() -> None:
                 print(f"  {time.time() - started:5.0f} s  step {h['step']:4d}  reward {h['reward']:.3f}", file=sys.stderr)
                 last_print = time.time()
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        for p in procs:
-            try:
-                p.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        stop_processes(procs, 30)
         for log in logs:
             log.close()
 

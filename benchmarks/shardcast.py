@@ -46,7 +46,6 @@ import json
 import math
 import os
 import shutil
-import signal
 import socket
 import statistics
 import struct
@@ -59,6 +58,7 @@ from pathlib import Path
 
 import aiohttp
 import psutil
+from procs import stop_processes
 
 from veriroll.protos.identity import write_keypair
 from veriroll.shardcast.errors import NoRelayReachableError, VersionGoneError
@@ -439,14 +439,7 @@ def main() -> None:
             )
         )
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        for p in procs:
-            try:
-                p.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        stop_processes(procs, 15)
         if args.workdir is None:
             shutil.rmtree(work, ignore_errors=True)
 

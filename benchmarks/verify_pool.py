@@ -22,7 +22,6 @@ import json
 import os
 import random
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -32,6 +31,7 @@ from pathlib import Path
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 HERE = Path(__file__).resolve()
 sys.path.insert(0, str(HERE.parents[1] / "tests"))
+from procs import stop_processes  # noqa: E402 - a sibling script
 
 START_GUARD_S = 180  # processes import torch on a shared machine
 DISTINCT_GROUPS = 8  # generated once, each queued for several leases (same cost to verify)
@@ -129,14 +129,7 @@ def drain(base: Path, db, groups, workers: int, args, log_dir: Path) -> dict:
         queued_ms = queue_jobs(db, groups, args.jobs, args.group_size, args.tokens, "bench")
         wait_drained(db, procs, log_dir, args.jobs * 5)
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        for p in procs:
-            try:
-                p.wait(30)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        stop_processes(procs, 30)
     rows = done_rows(db, "bench")
     refused = [r for r in rows if r["reason"] is not None]
     if refused:

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 from veriroll.protos.identity import PrivateKey, PublicKey
 
+from ..manifest import canonical_json
 from .errors import PeerHintsError
 
 log = logging.getLogger("veriroll.shardcast.swarm")
@@ -65,15 +66,11 @@ class PeerHints:
                           for p in self.peers]}  # fmt: skip
 
 
-def _canonical(doc: dict) -> bytes:
-    return json.dumps(doc, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
-
-
 def sign_peer_hints(key: PrivateKey, hints: PeerHints) -> bytes:
     """The wire document of ``hints``, signed with the coordinator's ``key``."""
     body = hints.to_dict()
-    signature = key.sign(SIGNING_CONTEXT + _canonical(body))
-    return _canonical({"hints": body, "signature": signature.hex()})
+    signature = key.sign(SIGNING_CONTEXT + canonical_json(body))
+    return canonical_json({"hints": body, "signature": signature.hex()})
 
 
 def _int(value, what: str) -> int:
@@ -91,7 +88,7 @@ def verify_peer_hints(data: bytes, key: PublicKey) -> PeerHints:
         body, signature = doc["hints"], bytes.fromhex(doc["signature"])
     except (ValueError, TypeError, KeyError) as exc:
         raise PeerHintsError(f"peer hints do not parse: {exc}") from exc
-    if not isinstance(body, dict) or not key.verify(signature, SIGNING_CONTEXT + _canonical(body)):
+    if not isinstance(body, dict) or not key.verify(signature, SIGNING_CONTEXT + canonical_json(body)):
         raise PeerHintsError("peer hints are not signed by the coordinator key")
     peers_raw = body.get("peers")
     if not isinstance(peers_raw, list) or len(peers_raw) > MAX_PEERS:

@@ -1,0 +1,19 @@
+"""What the benchmarks share about the processes they start (imported by sibling scripts, run from here)."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+
+
+def stop_processes(procs: list[subprocess.Popen], timeout_s: float) -> None:
+    """SIGTERM to every process still running, then wait ``timeout_s`` for each; one that does not exit
+    is killed (a benchmark's figures are printed either way)."""
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    for p in procs:
+        try:
+            p.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            p.kill()
