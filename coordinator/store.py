@@ -400,9 +400,9 @@ class Database:
                     self._q.put(None)
                     break
                 batch.append(nxt)
-            self._run_batch(batch, self.conn)
+            self._run_batch(batch)
 
-    def _run_batch(self, batch: list[_Op], conn) -> None:
+    def _run_batch(self, batch: list[_Op]) -> None:
         # A caller that gave up (its call was cancelled, e.g. past its deadline) cancels its future while
         # the op waits in the queue: skip those ops. Once marked running, an op can no longer be
         # cancelled, so every op that runs is answered exactly once (a retry is then idempotent).
@@ -411,10 +411,10 @@ class Database:
             return
         for attempt in range(TRANSIENT_RETRIES + 1):
             try:
-                results = self._transaction(batch, conn)
+                results = self._transaction(batch)
             except BaseException as exc:  # noqa: BLE001 - the whole batch failed to commit: tell everyone
                 try:
-                    conn.execute("ROLLBACK")
+                    self.conn.execute("ROLLBACK")
                 except DB_ERRORS:
                     pass
                 if store_pg.is_transient(exc) and attempt < TRANSIENT_RETRIES:
@@ -427,7 +427,7 @@ class Database:
             _answer(results)
             return
 
-    def _transaction(self, batch: list[_Op], conn) -> list[tuple[_Op, bool, Any]]:
+    def _transaction(self, batch: list[_Op]) -> list[tuple[_Op, bool, Any]]:
         """Every op of ``batch`` in one transaction, committed once; an op that fails is undone alone and
         answered with its error.
 
@@ -436,39 +436,39 @@ class Database:
         runs again with a savepoint per op; nothing of the first attempt was committed, and ops are plain
         functions of the connection (the writer already runs a batch again after a deadlock).
         """
-        conn.execute("BEGIN IMMEDIATE")
+        self.conn.execute("BEGIN IMMEDIATE")
         results: list[tuple[_Op, bool, Any]] = []
         try:
             for op in batch:
-                results.append((op, True, op.fn(conn)))
+                results.append((op, True, op.fn(self.conn)))
         except BaseException as exc:  # re-raised, retried with savepoints, or handed to the caller
             if store_pg.is_transient(exc) or not isinstance(exc, Exception):
                 raise  # a deadlock victim runs again whole (_run_batch); an interrupt is not the op's fault
-            conn.execute("ROLLBACK")
+            self.conn.execute("ROLLBACK")
             if len(batch) == 1:  # the op was the whole transaction: nothing to keep
                 return [(batch[0], False, exc)]
-            return self._transaction_with_savepoints(batch, conn)
-        conn.execute("COMMIT")
+            return self._transaction_with_savepoints(batch)
+        self.conn.execute("COMMIT")
         return results
 
-    def _transaction_with_savepoints(self, batch: list[_Op], conn) -> list[tuple[_Op, bool, Any]]:
+    def _transaction_with_savepoints(self, batch: list[_Op]) -> list[tuple[_Op, bool, Any]]:
         """Every op of ``batch`` in one transaction, each in a savepoint of its own, committed once."""
         results: list[tuple[_Op, bool, Any]] = []
-        conn.execute("BEGIN IMMEDIATE")
+        self.conn.execute("BEGIN IMMEDIATE")
         for op in batch:
-            conn.execute("SAVEPOINT op")
+            self.conn.execute("SAVEPOINT op")
             try:
-                value = op.fn(conn)
+                value = op.fn(self.conn)
             except BaseException as exc:  # re-raised, or handed to the caller: never swallowed
                 if store_pg.is_transient(exc):
                     raise  # not this op's fault: the whole batch runs again (see _run_batch)
-                conn.execute("ROLLBACK TO op")
-                conn.execute("RELEASE op")
+                self.conn.execute("ROLLBACK TO op")
+                self.conn.execute("RELEASE op")
                 results.append((op, False, exc))
             else:
-                conn.execute("RELEASE op")
+                self.conn.execute("RELEASE op")
                 results.append((op, True, value))
-        conn.execute("COMMIT")
+        self.conn.execute("COMMIT")
         return results
 
     def read(self, fn: Callable[[sqlite3.Connection], T]) -> concurrent.futures.Future:
