@@ -41,6 +41,10 @@ FLAKY_MODULE = textwrap.dedent(
     def make():
         return Environment("flaky", Rubric([RewardFunction(_reward)]), alphabet="0123456789+=",
                            max_new_tokens=4, prompt_fn=_prompt)
+
+    def make_bounded():  # declared bounded (scored on the coordinator): only ever given completions that return
+        return Environment("flaky", Rubric([RewardFunction(_reward, bounded=True)]), alphabet="0123456789+=",
+                           max_new_tokens=4, prompt_fn=_prompt)
     """
 )
 
@@ -322,5 +326,24 @@ def test_completions_drop_the_final_stop_token_and_any_other_a_stored_group_hold
 
             sub = Submission("x", 0, [sample(digits + [stop]), sample([digits[0], stop, digits[1]]), sample(digits)])
             assert svc.intake.completions(sub) == ["12", "12", "12"]
+
+    asyncio.run(scenario())
+
+
+def test_a_coordinator_scoring_inline_counts_a_reward_that_raises_or_is_not_finite(tmp_path, flaky_spec):
+    """Over a real socket: the bounded rubric's failures are the sample's 0 and counted, the group accepted."""
+    base = make_coordinator_dir(tmp_path, {"environment.name": flaky_spec.replace(":make", ":make_bounded"),
+                                           "environment.kwargs": {}})
+
+    async def scenario():
+        async with running_coordinator(base) as coord, node_client(coord) as stub:
+            assert coord.service.rewards.inline is not None
+            ids = dict(zip("1235", coord.service.tokenizer.convert_tokens_to_ids(list("1235")), strict=True))
+            lease = (await stub.lease_work(pb.LeaseRequest(max_leases=1, loaded_version=-1))).leases[0]
+            ok = await stub.submit_group(_group(lease, [ids["1"], ids["3"], ids["5"], ids["2"]]))
+            assert ok.accepted and list(ok.rewards) == [1.0, 0.0, 0.0, 0.5]
+            m = coord.service.metrics
+            assert m.reward_errors.get(kind="exception") == 1 and m.reward_errors.get(kind="invalid") == 1
+            assert not coord.service.rewards._live  # no worker process
 
     asyncio.run(scenario())
