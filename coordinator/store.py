@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import json
 import queue
 import sqlite3
@@ -928,6 +929,12 @@ class AcceptedGroup:
     samples: list[tuple[bytes, bytes, bytes | None, str]]
 
 
+@functools.lru_cache(maxsize=64)
+def _insert_samples_sql(n: int) -> str:
+    return ("INSERT INTO samples(group_id, idx, token_ids, logprobs, trusted_logprobs, reward, finish_reason) VALUES"
+            + ", ".join(["(?, ?, ?, ?, ?, ?, ?)"] * n))
+
+
 def accept_group(conn: sqlite3.Connection, group: AcceptedGroup, *, probation_groups: int) -> int | None:
     """Spend the lease on the group, store the group, mark its prompt done and credit the node; the group id,
     or None when the lease is no longer open (a concurrent submission won)."""
@@ -943,11 +950,11 @@ def accept_group(conn: sqlite3.Connection, group: AcceptedGroup, *, probation_gr
          group.arrival_ms, group.content_hash, group.tokens, mean_reward, int(group.verified)),
     ).fetchone()
     gid = int(row[0])
-    conn.executemany(
-        "INSERT INTO samples(group_id, idx, token_ids, logprobs, trusted_logprobs, reward, finish_reason) "
-        "VALUES(?, ?, ?, ?, ?, ?, ?)",
-        [(gid, i, tok, lp, trusted, group.rewards[i], finish)
-         for i, (tok, lp, trusted, finish) in enumerate(group.samples)])
+    # One statement for all samples (a round trip and a statement each cost more than a row on PostgreSQL).
+    if group.samples:
+        conn.execute(_insert_samples_sql(len(group.samples)),
+                     [v for i, (tok, lp, trusted, finish) in enumerate(group.samples)
+                      for v in (gid, i, tok, lp, trusted, group.rewards[i], finish)])
     conn.execute("UPDATE prompts SET state = ? WHERE prompt_id = ?", (PromptState.DONE, group.prompt_id))
     credit_node(conn, group.node_id, group.tokens, clean=group.clean, now_ms=group.arrival_ms,
                 probation_groups=probation_groups)
