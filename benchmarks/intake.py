@@ -1,8 +1,10 @@
 """Intake throughput: signed clients submitting 8x64-token groups to the real coordinator (verification
 off), against a bare grpc.aio echo of the same message sizes, in the same run.
 
-Each simulated node loops LeaseWork -> SubmitGroup; the echo server answers the same two calls with
-the same request sizes. The coordinator runs as its own process (`veriroll coordinator run`) with TLS,
+Each simulated node submits a group and gets its next lease in the same call (SubmitGroupRequest's
+next_leases, as the node does; LeaseWork only when none came with it); the echo server answers one call
+per group with the same sizes (a group in, a lease out). The protocol before, LeaseWork then SubmitGroup
+per group, is measured too, against an echo of those two calls. The coordinator runs as its own process (`veriroll coordinator run`) with TLS,
 the SQLite store and group commit; the echo server likewise with TLS. Clients run in one process, apart
 from both servers; each intake client signs every request and builds its group's samples once (the
 echo client sends prebuilt bytes), since what a node spends generating a group is no part of intake.
@@ -11,7 +13,7 @@ Prints one JSON line last: intake_groups_per_s, echo_per_s, ratio (totals over a
 (of the rounds' ratios: on a shared machine one round can catch a burst of someone else's load),
 p50_ms, p99_ms (submit latency), and the CPU each server spent: edge_cpu_ms_per_group (the coordinator's
 process and its reward workers, over the intake rounds) and echo_cpu_ms_per_call (the echo server, per
-lease + submit pair). Target: ratio >= 0.5.
+group's calls); the same with the suffix _two_calls for the protocol before. Target: ratio >= 0.5.
 """
 
 from __future__ import annotations
@@ -35,13 +37,17 @@ from scale import PROVEN_FLEET
 
 ECHO_SERVER = r'''
 import asyncio, sys, grpc
-async def main(cert, key, port_file):
+async def main(cert, key, port_file, lease_size):
     server = grpc.aio.server(options=[("grpc.max_receive_message_length", 32 << 20)])
     small = b"\x08\x01" * 8
+    leased = bytes(int(lease_size))
     async def echo(body, context):
         return small
+    async def echo_lease(body, context):
+        return leased
     handlers = {"/bench.Echo/Lease": grpc.unary_unary_rpc_method_handler(echo),
-                "/bench.Echo/Submit": grpc.unary_unary_rpc_method_handler(echo)}
+                "/bench.Echo/Submit": grpc.unary_unary_rpc_method_handler(echo),
+                "/bench.Echo/SubmitAndLease": grpc.unary_unary_rpc_method_handler(echo_lease)}
     class H(grpc.GenericRpcHandler):
         def service(self, d):
             return handlers.get(d.method)
@@ -67,7 +73,8 @@ def make_group(lease, pb, samples: list | None = None):
                                  samples=samples if samples is not None else make_samples(lease, pb))
 
 
-async def intake_load(address: str, ca: bytes, clients: int, seconds: float) -> tuple[int, list[float]]:
+async def intake_load(address: str, ca: bytes, clients: int, seconds: float, *,
+                      lease_in_submit: bool = True) -> tuple[int, list[float]]:
     from veriroll.protos.identity import PrivateKey
     from veriroll.protos.service import SignedStub, secure_channel
     from veriroll.protos.v1 import coordinator_pb2 as pb
@@ -83,16 +90,24 @@ async def intake_load(address: str, ca: bytes, clients: int, seconds: float) -> 
         stub = SignedStub(channels[i % len(channels)], key, timeout=30)
         await stub.register(pb.RegisterRequest(public_key=key.public.raw))
         samples = None  # built once per client: every lease of this run has the same shape
+        ask = pb.LeaseRequest(max_leases=1)
+        leased = None
         while time.perf_counter() < stop_at:
-            resp = await stub.lease_work(pb.LeaseRequest(max_leases=1))
+            resp, leased = leased, None
+            if resp is None:
+                resp = await stub.lease_work(ask)
             if not resp.leases:
                 await asyncio.sleep(0.01)
                 continue
             samples = samples or make_samples(resp.leases[0], pb)
             group = make_group(resp.leases[0], pb, samples)
+            if lease_in_submit:
+                group.next_leases.CopyFrom(ask)
             t0 = time.perf_counter()
-            await stub.submit_group(group)
+            answer = await stub.submit_group(group)
             latencies.append(time.perf_counter() - t0)
+            if lease_in_submit:
+                leased = answer.next_leases
             done += 1
 
     await asyncio.gather(*(node(i) for i in range(clients)))
@@ -101,25 +116,32 @@ async def intake_load(address: str, ca: bytes, clients: int, seconds: float) -> 
     return done, latencies
 
 
-async def echo_load(address: str, ca: bytes, clients: int, seconds: float, lease_bytes: bytes, group_bytes: bytes) -> int:
+async def echo_load(address: str, ca: bytes, clients: int, seconds: float, lease_bytes: bytes, group_bytes: bytes,
+                    *, lease_in_submit: bool = True) -> int:
     import grpc
 
     from veriroll.protos.service import secure_channel
+    from veriroll.protos.v1 import coordinator_pb2 as pb
 
     channels = [secure_channel(address, ca, server_name="localhost") for _ in range(max(1, clients // 8))]
     done = 0
     stop_at = time.perf_counter() + seconds
+    ask_bytes = pb.SubmitGroupRequest(next_leases=pb.LeaseRequest(max_leases=1)).SerializeToString()
 
     async def client(i: int):
         nonlocal done
         ch = channels[i % len(channels)]
         lease = ch.unary_unary("/bench.Echo/Lease")
         submit = ch.unary_unary("/bench.Echo/Submit")
+        submit_and_lease = ch.unary_unary("/bench.Echo/SubmitAndLease")
         while time.perf_counter() < stop_at:
-            # Same sizes on the wire as the real protocol: a small request answered by a lease-sized
-            # response, then a group-sized request.
-            await lease(lease_bytes, timeout=30)
-            await submit(group_bytes, timeout=30)
+            if lease_in_submit:
+                # Same sizes on the wire as the protocol: a group (and its lease request) answered by a lease.
+                await submit_and_lease(group_bytes + ask_bytes, timeout=30)
+            else:
+                # The protocol before: a lease-sized exchange, then a group-sized request.
+                await lease(lease_bytes, timeout=30)
+                await submit(group_bytes, timeout=30)
             done += 1
 
     await asyncio.gather(*(client(i) for i in range(clients)))
@@ -171,9 +193,16 @@ def main() -> int:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     veriroll = str(Path(sys.executable).parent / "veriroll")
     coord = subprocess.Popen([veriroll, "coordinator", "run", "--dir", str(base), "--log-level", "warning"], env=env)
+    lease_example = pb.LeaseResponse(leases=[pb.Lease(lease_id="0" * 24, prompt_ids=list(range(5)), group_size=8,
+                                                      temperature=1.0, max_new_tokens=64, seeds=[2**63] * 8,
+                                                      policy_version=0, deadline_ms=2**40, stop_token_ids=[2],
+                                                      environment="arithmetic")])
+    lease_bytes = lease_example.SerializeToString()
+    group_example = make_group(lease_example.leases[0], pb).SerializeToString()
     echo_port_file = root / "echo.port"
     echo = subprocess.Popen([sys.executable, "-c", ECHO_SERVER, str(base / "tls" / "server.crt"),
-                             str(base / "tls" / "server.key"), str(echo_port_file)], env=env)
+                             str(base / "tls" / "server.key"), str(echo_port_file), str(len(lease_bytes))], env=env)
+    result: dict = {}
     try:
         for _ in range(600):
             if (base / "ports.json").exists() and echo_port_file.exists():
@@ -181,53 +210,50 @@ def main() -> int:
             time.sleep(0.1)
         port = json.loads((base / "ports.json").read_text())["grpc"]
         echo_port = int(echo_port_file.read_text())
-        lease_example = pb.LeaseResponse(leases=[pb.Lease(lease_id="0" * 24, prompt_ids=list(range(5)), group_size=8,
-                                                          temperature=1.0, max_new_tokens=64, seeds=[2**63] * 8,
-                                                          policy_version=0, deadline_ms=2**40, stop_token_ids=[2],
-                                                          environment="arithmetic")])
-        group_example = make_group(lease_example.leases[0], pb).SerializeToString()
         # Warm both up, then measure echo and intake back to back.
-        asyncio.run(echo_load(f"127.0.0.1:{echo_port}", ca, 4, 1.0, lease_example.SerializeToString(), group_example))
+        asyncio.run(echo_load(f"127.0.0.1:{echo_port}", ca, 4, 1.0, lease_bytes, group_example))
         asyncio.run(intake_load(f"127.0.0.1:{port}", ca, 4, 1.0))
-        # Alternate the two loads in rounds so a change in background load hits both alike.
-        echo_n = intake_n = 0
-        echo_cpu = intake_cpu = 0.0
-        lat: list[float] = []
-        ratios: list[float] = []
-        rounds = args.rounds
-        for _ in range(rounds):
-            before = cpu_seconds(echo.pid)
-            e = asyncio.run(echo_load(f"127.0.0.1:{echo_port}", ca, args.clients, seconds / rounds,
-                                      lease_example.SerializeToString(), group_example))
-            echo_cpu += cpu_seconds(echo.pid) - before
-            before = cpu_seconds(coord.pid)
-            n, round_lat = asyncio.run(intake_load(f"127.0.0.1:{port}", ca, args.clients, seconds / rounds))
-            intake_cpu += cpu_seconds(coord.pid) - before
-            echo_n += e
-            intake_n += n
-            lat += round_lat
-            ratios.append(n / e if e else float("nan"))
+        for suffix, lease_in_submit in (("", True), ("_two_calls", False)):
+            # Alternate the two loads in rounds so a change in background load hits both alike.
+            echo_n = intake_n = 0
+            echo_cpu = intake_cpu = 0.0
+            lat: list[float] = []
+            ratios: list[float] = []
+            for _ in range(args.rounds):
+                before = cpu_seconds(echo.pid)
+                e = asyncio.run(echo_load(f"127.0.0.1:{echo_port}", ca, args.clients, seconds / args.rounds,
+                                          lease_bytes, group_example, lease_in_submit=lease_in_submit))
+                echo_cpu += cpu_seconds(echo.pid) - before
+                before = cpu_seconds(coord.pid)
+                n, round_lat = asyncio.run(intake_load(f"127.0.0.1:{port}", ca, args.clients, seconds / args.rounds,
+                                                       lease_in_submit=lease_in_submit))
+                intake_cpu += cpu_seconds(coord.pid) - before
+                echo_n += e
+                intake_n += n
+                lat += round_lat
+                ratios.append(n / e if e else float("nan"))
+            intake_rate, echo_rate = intake_n / seconds, echo_n / seconds
+            lat_ms = np.array(lat) * 1000 if lat else np.array([float("nan")])
+            result |= {
+                f"intake_groups_per_s{suffix}": round(intake_rate, 1),
+                f"echo_per_s{suffix}": round(echo_rate, 1),
+                f"ratio{suffix}": round(intake_rate / echo_rate, 3) if echo_rate else None,
+                f"ratio_median{suffix}": round(float(np.median(ratios)), 3),
+                f"edge_cpu_ms_per_group{suffix}": round(1000 * intake_cpu / intake_n, 3) if intake_n else None,
+                f"echo_cpu_ms_per_call{suffix}": round(1000 * echo_cpu / echo_n, 3) if echo_n else None,
+                f"p50_ms{suffix}": round(float(np.percentile(lat_ms, 50)), 2),
+                f"p99_ms{suffix}": round(float(np.percentile(lat_ms, 99)), 2),
+            }
     finally:
         coord.terminate()
         echo.terminate()
         coord.wait(timeout=30)
         echo.wait(timeout=30)
         shutil.rmtree(root, ignore_errors=True)
-    intake_rate = intake_n / seconds
-    echo_rate = echo_n / seconds
-    lat_ms = np.array(lat) * 1000 if lat else np.array([float("nan")])
-    result = {
-        "intake_groups_per_s": round(intake_rate, 1),
-        "echo_per_s": round(echo_rate, 1),
-        "ratio": round(intake_rate / echo_rate, 3) if echo_rate else None,
-        "ratio_median": round(float(np.median(ratios)), 3),
-        "edge_cpu_ms_per_group": round(1000 * intake_cpu / intake_n, 3) if intake_n else None,
-        "echo_cpu_ms_per_call": round(1000 * echo_cpu / echo_n, 3) if echo_n else None,
-        "p50_ms": round(float(np.percentile(lat_ms, 50)), 2),
-        "p99_ms": round(float(np.percentile(lat_ms, 99)), 2),
+    result |= {
         "clients": args.clients,
         "seconds": seconds,
-        "rounds": rounds,
+        "rounds": args.rounds,
         "group": "8x64 tokens",
         "target_ratio": 0.5,
     }

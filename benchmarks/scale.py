@@ -3,8 +3,10 @@
 The coordinator runs as its own process (``veriroll coordinator run``: TLS, the SQLite store with group
 commit, verification and trainer off, a queue that never fills, generous rate limits). Each simulated
 node is a real client with its own Ed25519 key and its own TLS connection: it registers, heartbeats
-every ``--heartbeat-s`` seconds, and loops LeaseWork → think (lognormal, median ``--think-s``, standing
-in for generation) → SubmitGroup of a correctly shaped group (``--group-size`` x ``--tokens``). The
+every ``--heartbeat-s`` seconds, and loops lease → think (lognormal, median ``--think-s``, standing
+in for generation) → SubmitGroup of a correctly shaped group (``--group-size`` x ``--tokens``); as a node
+does, it asks for its next lease inside the submission (``next_leases``), so LeaseWork is called only
+when none came with it (``--separate-lease-calls``: a LeaseWork call per group, the protocol before). The
 nodes live in ``--client-procs`` client processes. Every scale gets a fresh coordinator; nodes start
 staggered (at most ``--ramp-rate`` per second), and only calls that end inside the ``--measure-s``
 window after the ramp are counted.
@@ -148,6 +150,7 @@ async def run_nodes(spec: dict) -> dict:
     mu, sigma = math.log(spec["think_s"]), spec["think_sigma"]
     tails: dict[tuple[int, int], bytes] = {}
     n = spec["nodes"]
+    ask = pb.LeaseRequest(max_leases=1, loaded_version=0)
 
     async def sleep_until(t: float) -> None:
         await asyncio.sleep(max(0.0, t - time.time()))
@@ -171,8 +174,11 @@ async def run_nodes(spec: dict) -> dict:
                     break
                 await asyncio.sleep(1.0)
             beat = asyncio.create_task(heartbeats(stub))
+            leased = None  # leases that came with the last accepted group (SubmitGroupRequest.next_leases)
             while time.time() < stop_at:
-                resp = await call(rec, "LeaseWork", stub.lease_work(pb.LeaseRequest(max_leases=1, loaded_version=0)))
+                resp, leased = leased, None
+                if resp is None:
+                    resp = await call(rec, "LeaseWork", stub.lease_work(ask))
                 if resp is None:
                     await asyncio.sleep(1.0)
                     continue
@@ -191,9 +197,13 @@ async def run_nodes(spec: dict) -> dict:
                 shape = (lease.group_size, lease.max_new_tokens)
                 if shape not in tails:
                     tails[shape] = group_tail(pb, *shape)
-                body = pb.SubmitGroupRequest(lease_id=lease.lease_id, policy_version=lease.policy_version
+                # As a node does: the next lease is asked for in the submission (unless told not to).
+                body = pb.SubmitGroupRequest(lease_id=lease.lease_id, policy_version=lease.policy_version,
+                                             next_leases=ask if spec["lease_in_submit"] else None
                                              ).SerializeToString() + tails[shape]
-                await call(rec, "SubmitGroup", stub.call_raw("SubmitGroup", body))
+                answer = await call(rec, "SubmitGroup", stub.call_raw("SubmitGroup", body))
+                if answer is not None and spec["lease_in_submit"]:
+                    leased = answer.next_leases
         finally:
             if beat is not None:
                 # Cancel the heartbeat task itself first: closing the channel under an in-flight call
@@ -407,7 +417,8 @@ def run_scale(nodes: int, args, root: Path, *, database: str | None = None, edge
         spec = {"address": f"127.0.0.1:{grpc_port}", "ca": str(base / "tls" / "ca.crt"), "t0": t0,
                 "ramp_s": ramp_s, "measure_from": measure_from, "measure_to": measure_from + args.measure_s,
                 "stop_at": measure_from + args.measure_s, "think_s": args.think_s, "think_sigma": args.think_sigma,
-                "heartbeat_s": args.heartbeat_s, "call_timeout_s": args.call_timeout_s}
+                "heartbeat_s": args.heartbeat_s, "call_timeout_s": args.call_timeout_s,
+                "lease_in_submit": not getattr(args, "separate_lease_calls", False)}
         procs = max(1, min(args.client_procs, nodes))
         for w in range(procs):
             share = nodes // procs + (1 if w < nodes % procs else 0)
@@ -832,6 +843,9 @@ def main() -> int:
     ap.add_argument("--edge-think-s", type=float, default=1.5, help="its median think time (it must offer more "
                                                                      "than one edge holds)")
     ap.add_argument("--fleet-nodes", type=int, default=1000, help="the large fleet, at --think-s, on 2 edges")
+    ap.add_argument("--separate-lease-calls", action="store_true",
+                    help="nodes lease with a LeaseWork call per group, as before SubmitGroupRequest.next_leases "
+                         "(by default they ask for the next lease inside each submission, as the node does)")
     args = ap.parse_args()
     if args.quick:
         args.scales, args.measure_s, args.ramp_s, args.settle_s = "100,300", 10.0, 3.0, 2.0

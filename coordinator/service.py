@@ -304,7 +304,24 @@ class CoordinatorService:
 
     async def submit_group(self, node: NodeInfo, req: pb.SubmitGroupRequest, *,
                            peer: str = "unknown") -> pb.SubmitGroupResponse:
-        return await self.intake.submit_group(node, req, peer=peer)
+        resp = await self.intake.submit_group(node, req, peer=peer)
+        if req.HasField("next_leases"):
+            resp.next_leases.CopyFrom(await self._next_leases(node, req.next_leases, peer))
+        return resp
+
+    async def _next_leases(self, node: NodeInfo, req: pb.LeaseRequest, peer: str) -> pb.LeaseResponse:
+        """LeaseWork's answer inside an accepted submission's response. The group is accepted (committed)
+        whatever happens here, so a failure to lease is said in the lease answer (``wait_reason``; the node
+        asks again with LeaseWork after ``retry_after_ms``), never as a refusal of the group."""
+        try:
+            return await self.leases.lease_work(node, req, peer=peer)
+        except st.StoreUnavailable:
+            self.metrics.requests.inc(method="SubmitGroup.next_leases", result=Reason.STORE_UNAVAILABLE.value)
+            return pb.LeaseResponse(retry_after_ms=2000, wait_reason=Reason.STORE_UNAVAILABLE.value)
+        except Exception:  # noqa: BLE001 - any bug here is logged and counted; the accepted group stands
+            log.exception("internal error leasing after an accepted group")
+            self.metrics.requests.inc(method="SubmitGroup.next_leases", result=Reason.INTERNAL.value)
+            return pb.LeaseResponse(retry_after_ms=1000, wait_reason=Reason.INTERNAL.value)
 
     def _score(self, prompt: dict, sub: Submission) -> list[float]:
         """The rewards of a stored prompt's group, blocking (tests and tools re-check stored rewards)."""

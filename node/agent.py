@@ -180,6 +180,7 @@ class NodeAgent:
         self.abandon = asyncio.Event()  # drop everything in flight now, the lease in hand included
         self.busy_threads: list[threading.Thread] = []  # engine work left running when the node abandoned it
         self._backoff = Backoff()
+        self._leased: pb.LeaseResponse | None = None  # leases that came with the last accepted group
         self._tok_window: list[tuple[float, int]] = []
         # This process's claim on its key, in Register and Heartbeat: the coordinator refuses a second process
         # running the same key (key_in_use) while this one heartbeats.
@@ -443,10 +444,12 @@ class NodeAgent:
                 if self.cfg.max_groups and self.status.accepted_groups >= self.cfg.max_groups:
                     log.info("submitted %d accepted groups; done", self.status.accepted_groups)
                     break
-                loaded = self.engine.version if self.engine is not None and self.engine.version is not None else -1
+                # The last accepted group's response may carry the next leases already (SubmitGroupRequest's
+                # next_leases): then no LeaseWork round trip.
+                resp, self._leased = self._leased, None
                 try:
-                    resp = await self._call(self.stub.lease_work, pb.LeaseRequest(
-                        max_leases=self.cfg.max_leases, loaded_version=loaded, available_versions=self._window_versions()))
+                    if resp is None:
+                        resp = await self._call(self.stub.lease_work, self._lease_request())
                 except CallError as err:
                     self.status.rejected[err.reason] += 1
                     self.status.last_error = str(err)
@@ -460,12 +463,12 @@ class NodeAgent:
                 if not resp.leases:
                     await self._sleep(max(0.05, resp.retry_after_ms / 1000))
                     continue
-                for lease in resp.leases:
+                for i, lease in enumerate(resp.leases):
                     self.status.note_version(lease.policy_version)
                     if self.stopping.is_set():
                         log.warning("stopping: leaving lease %s; it returns to the pool at its deadline", lease.lease_id)
                         continue
-                    await self._serve(lease)
+                    await self._serve(lease, ask_next=i == len(resp.leases) - 1)
         except Stopped:
             pass
         finally:
@@ -499,7 +502,17 @@ class NodeAgent:
         except Exception as exc:  # noqa: BLE001 - a goodbye that does not arrive costs a lapse, never the exit
             log.debug("goodbye heartbeat not delivered: %s", exc)
 
-    async def _serve(self, lease: pb.Lease) -> None:
+    def _lease_request(self) -> pb.LeaseRequest:
+        loaded = self.engine.version if self.engine is not None and self.engine.version is not None else -1
+        return pb.LeaseRequest(max_leases=self.cfg.max_leases, loaded_version=loaded,
+                               available_versions=self._window_versions())
+
+    def _wants_more(self) -> bool:
+        """Whether the loop will lease again after this group (not stopping, not at max_groups)."""
+        return not self.stopping.is_set() and not (
+            self.cfg.max_groups and self.status.accepted_groups + 1 >= self.cfg.max_groups)
+
+    async def _serve(self, lease: pb.Lease, *, ask_next: bool = False) -> None:
         from veriroll.node.engines.base import GenerationRequest
 
         self.status.leases_in_flight += 1
@@ -537,6 +550,8 @@ class NodeAgent:
             if self.adversary is not None:
                 await self.adversary.submit(self, lease, req, results)
                 return
+            if ask_next and self._wants_more():
+                req.next_leases.CopyFrom(self._lease_request())
             await self.submit(req, tokens)
         finally:
             self.status.leases_in_flight -= 1
@@ -557,6 +572,8 @@ class NodeAgent:
             return None
         self.status.accepted_groups += 1
         self.status.accepted_tokens += resp.credited_tokens
+        if resp.HasField("next_leases"):
+            self._leased = resp.next_leases
         self.status.last_reward = float(np.mean(resp.rewards)) if len(resp.rewards) else 0.0
         self.status.note_ok()
         # One line per group would be ten a second on a small model: the view sums them up instead.

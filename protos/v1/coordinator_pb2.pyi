@@ -154,28 +154,32 @@ class Sample(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[bytes] = ..., proof: _Optional[bytes] = ..., finish_reason: _Optional[str] = ...) -> None: ...
 
 class SubmitGroupRequest(_message.Message):
-    __slots__ = ("lease_id", "policy_version", "samples", "compute_dtype")
+    __slots__ = ("lease_id", "policy_version", "samples", "compute_dtype", "next_leases")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
     SAMPLES_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    NEXT_LEASES_FIELD_NUMBER: _ClassVar[int]
     lease_id: str
     policy_version: int
     samples: _containers.RepeatedCompositeFieldContainer[Sample]
     compute_dtype: str
-    def __init__(self, lease_id: _Optional[str] = ..., policy_version: _Optional[int] = ..., samples: _Optional[_Iterable[_Union[Sample, _Mapping]]] = ..., compute_dtype: _Optional[str] = ...) -> None: ...
+    next_leases: LeaseRequest
+    def __init__(self, lease_id: _Optional[str] = ..., policy_version: _Optional[int] = ..., samples: _Optional[_Iterable[_Union[Sample, _Mapping]]] = ..., compute_dtype: _Optional[str] = ..., next_leases: _Optional[_Union[LeaseRequest, _Mapping]] = ...) -> None: ...
 
 class SubmitGroupResponse(_message.Message):
-    __slots__ = ("accepted", "rewards", "credited_tokens", "group_id")
+    __slots__ = ("accepted", "rewards", "credited_tokens", "group_id", "next_leases")
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     REWARDS_FIELD_NUMBER: _ClassVar[int]
     CREDITED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
+    NEXT_LEASES_FIELD_NUMBER: _ClassVar[int]
     accepted: bool
     rewards: _containers.RepeatedScalarFieldContainer[float]
     credited_tokens: int
     group_id: str
-    def __init__(self, accepted: _Optional[bool] = ..., rewards: _Optional[_Iterable[float]] = ..., credited_tokens: _Optional[int] = ..., group_id: _Optional[str] = ...) -> None: ...
+    next_leases: LeaseResponse
+    def __init__(self, accepted: _Optional[bool] = ..., rewards: _Optional[_Iterable[float]] = ..., credited_tokens: _Optional[int] = ..., group_id: _Optional[str] = ..., next_leases: _Optional[_Union[LeaseResponse, _Mapping]] = ...) -> None: ...
 
 class PolicyRequest(_message.Message):
     __slots__ = ()

@@ -426,3 +426,63 @@ def test_serving_freezes_the_objects_of_start_up_out_of_the_collectors_sight(tmp
         assert asyncio.run(scenario()) > 100_000
     finally:
         gc.unfreeze()  # the rest of this test session's objects stay collectable
+
+
+def test_an_accepted_group_can_bring_the_next_lease_in_the_same_call(base):
+    async def scenario():
+        async with running_coordinator(base, overrides=["leases.max_open_per_node=2", "leases.probation_max_open=2"]) as coord, \
+                node_client(coord) as stub:
+            lease = (await stub.lease_work(pb.LeaseRequest())).leases[0]
+            group = shaped_group(lease)
+            group.next_leases.CopyFrom(pb.LeaseRequest(max_leases=1, loaded_version=0))
+            ok = await stub.submit_group(group)
+            assert ok.accepted and ok.HasField("next_leases")
+            (nxt,) = ok.next_leases.leases
+            assert nxt.lease_id != lease.lease_id and nxt.group_size == lease.group_size
+            # The lease is as real as LeaseWork's: it is open in the store and its group is accepted.
+            plain = shaped_group(nxt)
+            assert not plain.HasField("next_leases")
+            again = await stub.submit_group(plain)
+            assert again.accepted and not again.HasField("next_leases")
+            s = summary(coord)
+            assert s["accepted_groups"] == 2 and s["open_leases"] == 0
+            # The lease rules hold for leases asked this way: two open at most, then a reason to wait.
+            held = (await stub.lease_work(pb.LeaseRequest(max_leases=2))).leases
+            group = shaped_group(held[0])
+            group.next_leases.CopyFrom(pb.LeaseRequest(max_leases=5))
+            ok = await stub.submit_group(group)
+            assert len(ok.next_leases.leases) == 1  # one still open, one more allowed
+            group = shaped_group(held[1])
+            group.next_leases.CopyFrom(pb.LeaseRequest(max_leases=5))
+            coord.cfg.leases.queue_maxsize = 1  # the queue is over full: the group is accepted, no lease
+            ok = await stub.submit_group(group)
+            assert ok.accepted and not ok.next_leases.leases
+            assert ok.next_leases.wait_reason == "backpressure" and ok.next_leases.retry_after_ms > 0
+
+    run(scenario())
+
+
+def test_a_refused_group_brings_no_lease_and_a_failed_lease_never_refuses_an_accepted_group(base):
+    async def scenario():
+        async with running_coordinator(base) as coord, node_client(coord) as stub:
+            lease = (await stub.lease_work(pb.LeaseRequest())).leases[0]
+            bad = shaped_group(lease, n=1)
+            bad.next_leases.CopyFrom(pb.LeaseRequest())
+            await expect_refusal(stub.submit_group(bad), grpc.StatusCode.INVALID_ARGUMENT, "wrong_group_size")
+            lease = (await stub.lease_work(pb.LeaseRequest())).leases[0]
+            assert summary(coord)["open_leases"] == 1  # the refusal issued none
+
+            async def store_down(*args, **kwargs):
+                raise st.StoreUnavailable("PostgreSQL is unreachable; reconnecting")
+
+            coord.service.leases.lease_work = store_down
+            group = shaped_group(lease)
+            group.next_leases.CopyFrom(pb.LeaseRequest())
+            ok = await stub.submit_group(group)
+            assert ok.accepted and ok.next_leases.wait_reason == "store_unavailable"
+            assert ok.next_leases.retry_after_ms > 0 and not ok.next_leases.leases
+            assert summary(coord)["accepted_groups"] == 1
+            metrics = coord.service.metrics.requests
+            assert metrics.get(method="SubmitGroup.next_leases", result="store_unavailable") == 1
+
+    run(scenario())
