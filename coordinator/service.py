@@ -318,7 +318,7 @@ class CoordinatorService:
         except st.StoreUnavailable:
             self.metrics.requests.inc(method="SubmitGroup.next_leases", result=Reason.STORE_UNAVAILABLE.value)
             return pb.LeaseResponse(retry_after_ms=2000, wait_reason=Reason.STORE_UNAVAILABLE.value)
-        except Exception:  # noqa: BLE001 - any bug here is logged and counted; the accepted group stands
+        except Exception:  # any bug here is logged and counted; the accepted group stands
             log.exception("internal error leasing after an accepted group")
             self.metrics.requests.inc(method="SubmitGroup.next_leases", result=Reason.INTERNAL.value)
             return pb.LeaseResponse(retry_after_ms=1000, wait_reason=Reason.INTERNAL.value)
