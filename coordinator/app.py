@@ -337,7 +337,9 @@ async def _follow_policy(coord: Coordinator, every_s: float = 1.0) -> None:
 
 
 async def _housekeeping(coord: Coordinator) -> None:
-    """Expire leases (their prompts return to the pool) and refresh gauges, every second."""
+    """Expire leases (their prompts return to the pool), follow standing changes made elsewhere (the node
+    cache), refresh gauges, every second; drop old noted standing changes once a minute."""
+    forgot_changes_at = -60_000
     while True:
         try:
             now = coord.service.clock()
@@ -346,6 +348,10 @@ async def _housekeeping(coord: Coordinator) -> None:
                 await coord.db.run(lambda c, now=now: st.forget_nonces(c, now))
             if expired:
                 coord.service.metrics.leases_expired.inc(expired)
+            await coord.service.ledger.follow_standing_changes()
+            if now - forgot_changes_at >= 60_000:
+                await coord.db.run(st.forget_standing_changes)
+                forgot_changes_at = now
             await coord.service.refresh_gauges()
         except st.StoreUnavailable as exc:  # PostgreSQL restarting: the store reconnects by itself
             log.warning("housekeeping: the store is unavailable (%s)", exc)

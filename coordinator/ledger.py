@@ -23,9 +23,16 @@ from veriroll.protos.v1 import coordinator_pb2 as pb
 
 log = logging.getLogger("veriroll.coordinator")
 
-CACHE_TTL_MS = 2000
-"""How long a looked-up node is trusted before it is read again (an operator's ban shows within this)."""
+CACHE_TTL_MS = 60_000
+"""How long a looked-up node is trusted before it is read again, whatever the feed of standing changes said
+(a backstop: a change shows within ``follow_standing_changes``' period, a second in housekeeping)."""
 CACHE_SIZE = 100_000
+CHANGES_SLACK_MS = 10_000
+"""Each read of the feed looks this far before the newest change it saw: a change noted earlier by a
+transaction that committed later (another edge's) is still found; one already applied is skipped by its seq."""
+CHANGES_PAGE = 1000
+"""Most changes read at once; a full page means more are waiting: the whole cache is dropped instead, and the
+feed read on past them."""
 
 
 @dataclass(frozen=True)
@@ -50,11 +57,14 @@ class Ledger:
         self.probation_groups = probation_groups
         self.session_ttl_ms = int(session_ttl_s * 1000)
         self._cache: OrderedDict[str, tuple[NodeInfo | None, int]] = OrderedDict()
+        self._changes_since: int | None = None  # the feed's read position (the database's ms), None before it
+        self._applied: dict[int, int] = {}  # seq -> changed ms of the changes inside the slack window
 
     # --- who is asking ------------------------------------------------------------------------------
 
     async def lookup(self, node_id: str) -> NodeInfo | None:
-        """The registered node ``node_id``, or None: one primary-key read at most every CACHE_TTL_MS."""
+        """The registered node ``node_id``, or None: one primary-key read when it is not cached (first seen,
+        its standing changed, or CACHE_TTL_MS passed)."""
         now = self.clock()
         hit = self._cache.get(node_id)
         if hit is not None and hit[0] is not None and now - hit[1] < CACHE_TTL_MS:
@@ -77,6 +87,36 @@ class Ledger:
     def forget(self, node_id: str) -> None:
         """Drop a cached node (its standing changed): the next lookup reads it again."""
         self._cache.pop(node_id, None)
+
+    async def follow_standing_changes(self) -> int:
+        """Drop the cached nodes whose standing changed since the last call, wherever it changed (another
+        edge, the operator's CLI): one read of the store's feed (``st.standing_changes``), the same cost at
+        10 or 10,000 nodes. Returns how many cached nodes were dropped."""
+        first = self._changes_since is None
+        if first:  # start at the newest change: what came before is in the rows this cache reads
+            newest = await self.db.run_read(st.newest_standing_change_ms)
+            self._changes_since = 0 if newest is None else max(0, newest - CHANGES_SLACK_MS)
+        since = self._changes_since
+        rows = await self.db.run_read(lambda c: st.standing_changes(c, since, CHANGES_PAGE))
+        if first:  # the changes inside the slack window are known already
+            self._applied = {seq: ms for seq, _, ms in rows}
+            return 0
+        if len(rows) >= CHANGES_PAGE:
+            # More changes than a page (a mass ban): drop the whole cache and go on past them; a node read
+            # again from here on is read as it is now.
+            dropped = len(self._cache)
+            self._cache.clear()
+            self._changes_since, self._applied = max(ms for _, _, ms in rows) + 1, {}
+            return dropped
+        dropped = 0
+        for seq, node_id, changed_ms in rows:
+            if seq not in self._applied:
+                self._applied[seq] = changed_ms
+                dropped += self._cache.pop(node_id, None) is not None
+        if rows:
+            self._changes_since = max(since, max(ms for _, _, ms in rows) - CHANGES_SLACK_MS)
+            self._applied = {seq: ms for seq, ms in self._applied.items() if ms >= self._changes_since}
+        return dropped
 
     # --- registration and liveness ------------------------------------------------------------------
 

@@ -297,6 +297,7 @@ def connect(path: str | Path) -> sqlite3.Connection:
     conn.executescript(SCHEMA)
     conn.executescript(VERIFY_JOBS_SCHEMA)
     conn.executescript(SWARM_SCHEMA)
+    conn.executescript(STANDING_CHANGES_SCHEMA)
     if conn.execute("SELECT 1 FROM counters WHERE name = 'queued_groups'").fetchone() is None:
         conn.execute(_INIT_COUNTERS)
     if "probation" not in {r["name"] for r in conn.execute("PRAGMA table_info(leases)")}:
@@ -1191,6 +1192,49 @@ def set_standing(conn: sqlite3.Connection, node_id: str, standing: str, reason: 
     strikes_reset = ", strikes = 0, clean_groups = 0" if standing == "probation" else ""
     conn.execute(f"UPDATE nodes SET standing = ?, ban_reason = ?{strikes_reset} WHERE node_id = ?",
                  (standing, reason, node_id))
+
+
+# --- standing changes: what every process caching nodes (Ledger) follows ----------------------------------
+
+# A trigger notes each change of a node's standing or ban reason, whoever made it: this process, another
+# edge, the operator's CLI on the same file. A process's node cache follows this table (one read a second,
+# whatever the number of nodes) instead of reading every node again every few seconds.
+STANDING_CHANGES_SCHEMA = """
+CREATE TABLE IF NOT EXISTS standing_changes (
+    seq INTEGER PRIMARY KEY AUTOINCREMENT,
+    node_id TEXT NOT NULL,
+    changed_ms INTEGER NOT NULL
+);
+CREATE INDEX IF NOT EXISTS standing_changes_time ON standing_changes(changed_ms);
+CREATE TRIGGER IF NOT EXISTS nodes_standing_changed AFTER UPDATE OF standing, ban_reason ON nodes
+WHEN OLD.standing IS NOT NEW.standing OR OLD.ban_reason IS NOT NEW.ban_reason
+BEGIN
+    INSERT INTO standing_changes(node_id, changed_ms)
+    VALUES (NEW.node_id, CAST((julianday('now') - 2440587.5) * 86400000 AS INTEGER));
+END;
+"""
+
+STANDING_CHANGES_KEPT_MS = 3_600_000
+"""How long a noted change is kept (past the newest one): far longer than any process goes without reading."""
+
+
+def standing_changes(conn: sqlite3.Connection, since_ms: int, limit: int) -> list[tuple[int, str, int]]:
+    """(seq, node id, changed ms) of the changes noted at or after ``since_ms`` (the database's clock), oldest
+    first, at most ``limit``."""
+    return [(int(r[0]), r[1], int(r[2])) for r in conn.execute(
+        "SELECT seq, node_id, changed_ms FROM standing_changes WHERE changed_ms >= ? ORDER BY seq LIMIT ?",
+        (since_ms, limit))]
+
+
+def newest_standing_change_ms(conn: sqlite3.Connection) -> int | None:
+    row = conn.execute("SELECT MAX(changed_ms) FROM standing_changes").fetchone()
+    return None if row[0] is None else int(row[0])
+
+
+def forget_standing_changes(conn: sqlite3.Connection) -> int:
+    """Drop noted changes older than STANDING_CHANGES_KEPT_MS before the newest (an index range)."""
+    return conn.execute("DELETE FROM standing_changes WHERE changed_ms < "
+                        "(SELECT MAX(changed_ms) FROM standing_changes) - ?", (STANDING_CHANGES_KEPT_MS,)).rowcount
 
 
 # --- verification jobs: edges hand audited groups to the verifier pool (coordinator/verifier_pool.py) ---

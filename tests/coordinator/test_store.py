@@ -247,3 +247,69 @@ def test_bucket_levels_reads_several_buckets_in_one_statement_as_bucket_level_re
     none = st.bucket_levels(conn, [], 1_500)
     conn.close()
     assert levels == each and levels[0] == 7.0 and levels[1] < 0 and levels[2] == 3.0 and none == []
+
+
+def test_standing_changes_are_noted_whoever_makes_them_and_only_then(store_target):
+    from veriroll.coordinator.ledger import Ledger
+    from veriroll.coordinator.metrics import CoordinatorMetrics
+    from veriroll.protos.identity import PrivateKey
+
+    db = st.Database(store_target)
+    keys = [PrivateKey.generate().public for _ in range(3)]
+    try:
+        for k in keys:
+            db.run_sync(lambda c, k=k: st.register_node(c, k.node_id, k.raw, 0, {}, "1", "n"))
+        assert db.read(lambda c: st.standing_changes(c, 0, 10)).result() == []  # registering is no change
+        db.run_sync(lambda c: st.touch_node(c, keys[0].node_id, 5, 1, st.Session("s", "a")))
+        db.run_sync(lambda c: st.set_standing(c, keys[1].node_id, "banned", "operator: test"))
+        db.run_sync(lambda c: st.set_standing(c, keys[1].node_id, "banned", "operator: test"))  # no change
+        db.run_sync(lambda c: st.set_standing(c, keys[2].node_id, "probation", "again"))  # the reason changed
+        changes = db.read(lambda c: st.standing_changes(c, 0, 10)).result()
+        assert [node for _, node, _ in changes] == [keys[1].node_id, keys[2].node_id]
+        assert changes[0][0] < changes[1][0] and changes[0][2] <= changes[1][2]
+        assert db.read(lambda c: st.standing_changes(c, 0, 1)).result() == changes[:1]
+        newest = db.read(st.newest_standing_change_ms).result()
+        assert newest == changes[1][2]
+        assert db.read(lambda c: st.standing_changes(c, newest + 1, 10)).result() == []
+        assert db.run_sync(st.forget_standing_changes) == 0  # both are recent
+
+        # A cache following the feed drops exactly the nodes that changed after it started following.
+        ledger = Ledger(db, CoordinatorMetrics(), clock=lambda: 0, max_strikes=3, probation_groups=1,
+                        session_ttl_s=60)
+        asyncio.run(ledger.follow_standing_changes())  # the first read only finds its place
+        for k in keys:
+            assert asyncio.run(ledger.lookup(k.node_id)).node_id == k.node_id  # all three cached
+        assert asyncio.run(ledger.follow_standing_changes()) == 0  # the changes before it are known
+        db.run_sync(lambda c: st.set_standing(c, keys[0].node_id, "trusted"))
+        assert asyncio.run(ledger.follow_standing_changes()) == 1
+        assert asyncio.run(ledger.lookup(keys[0].node_id)).standing == st.Standing.TRUSTED
+        assert asyncio.run(ledger.follow_standing_changes()) == 0  # applied once, though inside the slack
+    finally:
+        db.close()
+
+
+def test_a_mass_change_drops_the_whole_node_cache_once_and_the_feed_goes_on(tmp_path, monkeypatch):
+    from veriroll.coordinator import ledger as ledger_module
+    from veriroll.coordinator.metrics import CoordinatorMetrics
+    from veriroll.protos.identity import PrivateKey
+
+    monkeypatch.setattr(ledger_module, "CHANGES_PAGE", 4)
+    db = st.Database(tmp_path / "s.db")
+    keys = [PrivateKey.generate().public for _ in range(6)]
+    try:
+        for k in keys:
+            db.run_sync(lambda c, k=k: st.register_node(c, k.node_id, k.raw, 0, {}, "1", "n"))
+        ledger = ledger_module.Ledger(db, CoordinatorMetrics(), clock=lambda: 0, max_strikes=3, probation_groups=1,
+                                      session_ttl_s=60)
+        asyncio.run(ledger.follow_standing_changes())
+        for k in keys:
+            asyncio.run(ledger.lookup(k.node_id))
+        # One statement bans all six (one changed_ms on SQLite): more than a page of the feed.
+        db.run_sync(lambda c: c.execute("UPDATE nodes SET standing = 'banned', ban_reason = 'operator: all'"))
+        assert asyncio.run(ledger.follow_standing_changes()) == 6  # the whole cache, once
+        assert all(asyncio.run(ledger.lookup(k.node_id)).standing == st.Standing.BANNED for k in keys)
+        assert asyncio.run(ledger.follow_standing_changes()) == 0  # past them: not dropped again every second
+        db.run_sync(lambda c: st.set_standing(c, keys[0].node_id, "probation"))
+        assert asyncio.run(ledger.follow_standing_changes()) == 1  # and later changes still arrive
+    finally:
+        db.close()

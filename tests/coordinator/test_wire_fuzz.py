@@ -364,7 +364,14 @@ class FuzzWorld:
     async def honest_group(self) -> pb.SubmitGroupRequest:
         """An honest group for a fresh lease of the submitter."""
         self._last_snapshot = None
-        lease = (await self.stub(self.submitter).lease_work(pb.LeaseRequest(max_leases=1, loaded_version=0))).leases[0]
+        stub = self.stub(self.submitter)
+        leases = (await stub.lease_work(pb.LeaseRequest(max_leases=1, loaded_version=0))).leases
+        if not leases:
+            # Accepted mutations that set next_leases leased more than they spent: the submitter holds its
+            # cap. A stopping heartbeat gives its open leases back, as a node that stops does.
+            await stub.heartbeat(pb.HeartbeatRequest(stopping=True))
+            leases = (await stub.lease_work(pb.LeaseRequest(max_leases=1, loaded_version=0))).leases
+        lease = leases[0]
         req = GenerationRequest(list(lease.prompt_ids), list(lease.seeds), lease.temperature, lease.max_new_tokens,
                                 list(lease.stop_token_ids))
         results = (await asyncio.to_thread(self.engine.generate, [req]))[0]
