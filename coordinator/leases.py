@@ -133,9 +133,10 @@ class LeaseDesk:
             expired = 0
             if now - self._expired_at >= EXPIRE_EVERY_MS:
                 expired, self._expired_at = st.expire_leases(conn, now), now
-            if st.queued_groups(conn) >= lc.queue_maxsize:
+            queued, open_of_node = st.lease_limits(conn, node.node_id)
+            if queued >= lc.queue_maxsize:
                 return [], expired, "backpressure"
-            k = min(wanted, max_open - st.open_leases_of(conn, node.node_id))
+            k = min(wanted, max_open - open_of_node)
             if k <= 0:
                 return [], expired, "too_many_open_leases"
             if probation:

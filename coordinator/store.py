@@ -726,9 +726,13 @@ def touch_node(conn: sqlite3.Connection, node_id: str, now_ms: int, loaded_versi
                session: Session | None = None) -> None:
     """A heartbeat: when the node was last seen and which version it has loaded; ``session`` stays the
     key's live one (check :func:`other_live_session` first)."""
-    conn.execute("UPDATE nodes SET last_seen_ms = ?, loaded_version = ? WHERE node_id = ?",
-                 (now_ms, loaded_version, node_id))
-    _hold_session(conn, node_id, session, now_ms)
+    if session is not None and session.session_id:  # one statement: a heartbeat is a write on every edge
+        conn.execute("UPDATE nodes SET last_seen_ms = ?, loaded_version = ?, session_id = ?, session_address = ?, "
+                     "session_seen_ms = ? WHERE node_id = ?",
+                     (now_ms, loaded_version, session.session_id, session.address, now_ms, node_id))
+    else:
+        conn.execute("UPDATE nodes SET last_seen_ms = ?, loaded_version = ? WHERE node_id = ?",
+                     (now_ms, loaded_version, node_id))
 
 
 def node_ledger(conn: sqlite3.Connection, node_id: str) -> dict | None:
@@ -782,6 +786,14 @@ def release_open_leases(conn: sqlite3.Connection, node_id: str) -> int:
 def _return_prompt(conn: sqlite3.Connection, prompt_id: int) -> None:
     conn.execute("UPDATE prompts SET state = ? WHERE prompt_id = ? AND state = ?",
                  (PromptState.PENDING, prompt_id, PromptState.LEASED))
+
+
+def lease_limits(conn: sqlite3.Connection, node_id: str) -> tuple[int, int]:
+    """(groups queued for the trainer, open leases of ``node_id``): what a lease request checks first, in one
+    statement (``queued_groups`` and ``open_leases_of`` together)."""
+    r = conn.execute("SELECT (SELECT COALESCE(SUM(value), 0) FROM counters WHERE name = 'queued_groups'), "
+                     "(SELECT COUNT(*) FROM leases WHERE node_id = ? AND state = ?)", (node_id, LeaseState.OPEN)).fetchone()
+    return int(r[0]), int(r[1])
 
 
 def open_leases_of(conn: sqlite3.Connection, node_id: str) -> int:

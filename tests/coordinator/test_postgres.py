@@ -52,7 +52,9 @@ def test_named_operations_give_the_same_results_on_both_backends(store_target):
         st.insert_lease(conn, lease(b.node_id, p3, "L3", probation=False, deadline=10))
         out["open"] = st.open_lease_totals(conn)
         out["open_of_a"] = st.open_leases_of(conn, a.node_id)
+        out["limits_of_b"] = st.lease_limits(conn, b.node_id)
         out["gid"] = st.accept_group(conn, group("L1", a.node_id, p1, [1.0, 0.0]), probation_groups=1) is not None
+        out["limits_after_accept"] = st.lease_limits(conn, a.node_id)  # one queued group, L2 still open
         out["again"] = st.accept_group(conn, group("L1", a.node_id, p1, [1.0, 0.0]), probation_groups=1)
         out["spent"] = st.spend_lease(conn, "L2", p2)
         out["expired"] = st.expire_leases(conn, 100)
@@ -72,7 +74,8 @@ def test_named_operations_give_the_same_results_on_both_backends(store_target):
 
     out = db.run_sync(script)
     assert out["standing"] == st.Standing.PROBATION and out["drawn"] == 3
-    assert out["open"] == (3, 2) and out["open_of_a"] == 2
+    assert out["open"] == (3, 2) and out["open_of_a"] == 2 and out["limits_of_b"] == (0, 1)
+    assert out["limits_after_accept"] == (1, 1)
     assert out["gid"] and out["again"] is None and out["spent"] and out["expired"] == 1
     assert out["open_after"] == (0, 0) and out["pending"] == ([1, 5, 7], "e")
     assert out["banned_at"] == 1 and out["b"] == st.Standing.BANNED

@@ -148,18 +148,29 @@ def test_an_unknown_key_costs_one_row_read_not_a_reload_of_every_node(tmp_path):
     assert len(node_reads) == 1 and "WHERE node_id = " in node_reads[0]
 
 
-def test_an_operator_ban_from_another_process_shows_within_the_cache_time(tmp_path):
+def test_an_operator_ban_from_another_process_reaches_the_node_cache_by_the_feed_or_by_its_time(tmp_path):
+    from veriroll.coordinator.ledger import CACHE_TTL_MS
+
     base = make_coordinator_dir(tmp_path)
 
     async def scenario():
-        async with running_coordinator(base) as coord, node_client(coord) as stub:
-            await stub.heartbeat(pb.HeartbeatRequest())
+        async with running_coordinator(base) as coord, node_client(coord) as stub, \
+                node_client(coord) as other_node:
+            for client in (stub, other_node):
+                await client.heartbeat(pb.HeartbeatRequest())  # both cached now
             other = st.Database(base / "state.db")  # the CLI's own connection
             other.run_sync(lambda c: st.set_standing(c, stub.key.node_id, "banned", "operator: test"))
-            other.close()
-            now = coord.service.clock()
-            coord.service.clock = lambda: now + 2500  # past the 2 s the ledger trusts a cached standing
+            # What housekeeping does every second: the feed of standing changes drops the banned node only.
+            assert await coord.service.ledger.follow_standing_changes() == 1
             await expect_refusal(stub.heartbeat(pb.HeartbeatRequest()), grpc.StatusCode.PERMISSION_DENIED, "banned")
+            # Without the feed (not followed since), a cached standing is trusted CACHE_TTL_MS at most.
+            other.run_sync(lambda c: st.set_standing(c, other_node.key.node_id, "banned", "operator: test"))
+            other.close()
+            await other_node.heartbeat(pb.HeartbeatRequest())  # still cached as it was
+            now = coord.service.ledger.clock()
+            coord.service.ledger.clock = lambda: now + CACHE_TTL_MS + 500  # the cache's clock only (no skew)
+            await expect_refusal(other_node.heartbeat(pb.HeartbeatRequest()), grpc.StatusCode.PERMISSION_DENIED,
+                                 "banned")
 
     run(scenario())
 
