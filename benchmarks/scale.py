@@ -885,7 +885,8 @@ def main() -> int:
                           f"(x{o['predicted_ratio']})", flush=True)
         print(f"edge_scaling {out.get('edge_scaling')} (this machine's CPU allows at most "
               f"{out.get('edge_scaling_cpu_bound')})", flush=True)
-        intake = child_figures("intake.py", args.quick, ("ratio", "intake_groups_per_s", "echo_per_s"))
+        intake = child_figures("intake.py", args.quick, ("ratio", "intake_groups_per_s", "echo_per_s", "ratio_two_calls",
+                                                         "intake_groups_per_s_two_calls", "echo_per_s_two_calls"))
         verify = child_figures("verify_pool.py", args.quick, ("verify_groups_per_s_1", "verify_groups_per_s_2"))
     finally:
         shutil.rmtree(root, ignore_errors=True)
@@ -903,7 +904,7 @@ def main() -> int:
         "predicted_ratio": {name: run.get("predicted_ratio") for name, run in [*runs.items(), ("fleet", fleet),
                                                                                ("fleet_sqlite", out.get("fleet_sqlite") or {})]},
         "verify_groups_per_s_1": verify["verify_groups_per_s_1"], "verify_groups_per_s_2": verify["verify_groups_per_s_2"],
-        "intake_ratio": intake["ratio"], "intake": intake, "verify": verify, "scale_out": out,
+        "intake_ratio": intake["ratio"], "intake_ratio_two_calls": intake["ratio_two_calls"], "intake": intake, "verify": verify, "scale_out": out,
         "scales": figures, "saturation": summary, "verdict": text, "fixed_costs": costs,
         "config": {"think_median_s": args.think_s, "think_sigma": args.think_sigma, "heartbeat_s": args.heartbeat_s,
                    "group": f"{args.group_size}x{args.tokens} tokens", "measure_s": args.measure_s,
