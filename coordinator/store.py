@@ -823,12 +823,13 @@ def take_pending_prompt(conn: sqlite3.Connection) -> tuple[int, list[int], str] 
 def insert_leased_prompt(conn: sqlite3.Connection, env: str, text: str, answer: str, meta: dict,
                          prompt_ids: list[int]) -> int:
     """Store a freshly drawn prompt as leased and count the draw (``prompts_drawn``, to resume the stream)."""
-    row = conn.execute("INSERT INTO prompts(env, text, answer, meta, prompt_ids, state, attempts) "
-                       "VALUES(?, ?, ?, ?, ?, ?, 1) RETURNING prompt_id",
-                       (env, text, answer, json.dumps(meta), pack_i32(prompt_ids), PromptState.LEASED)).fetchone()
-    # /*SLOT*/: on PostgreSQL, this writer's own row of the counter (store_pg.COUNTER_SLOTS).
-    conn.execute("UPDATE counters SET value = value + 1 WHERE name = 'prompts_drawn' /*SLOT*/")
-    return int(row[0])
+    inserted, _ = execute_together(conn, [
+        ("INSERT INTO prompts(env, text, answer, meta, prompt_ids, state, attempts) VALUES(?, ?, ?, ?, ?, ?, 1) "
+         "RETURNING prompt_id", (env, text, answer, json.dumps(meta), pack_i32(prompt_ids), PromptState.LEASED)),
+        # /*SLOT*/: on PostgreSQL, this writer's own row of the counter (store_pg.COUNTER_SLOTS).
+        ("UPDATE counters SET value = value + 1 WHERE name = 'prompts_drawn' /*SLOT*/", ()),
+    ])
+    return int(inserted.fetchone()[0])
 
 
 def use_nonce(conn: sqlite3.Connection, public_key: bytes, nonce: str, expires_ms: int) -> bool:
@@ -942,6 +943,18 @@ class AcceptedGroup:
     samples: list[tuple[bytes, bytes, bytes | None, str]]
 
 
+def execute_together(conn: sqlite3.Connection, statements: list[tuple[str, tuple]]) -> list:
+    """Statements none of which depends on another's result, in order; their results (rows fetched, rowcount).
+    On PostgreSQL in one round trip (``PgConnection.execute_together``); on SQLite one after another."""
+    if isinstance(conn, store_pg.PgConnection):
+        return conn.execute_together(statements)
+    out = []
+    for sql, params in statements:
+        cur = conn.execute(sql, params)
+        out.append(store_pg.Result(cur.fetchall(), cur.rowcount))
+    return out
+
+
 @functools.lru_cache(maxsize=64)
 def _insert_samples_sql(n: int) -> str:
     return ("INSERT INTO samples(group_id, idx, token_ids, logprobs, trusted_logprobs, reward, finish_reason) VALUES"
@@ -956,34 +969,38 @@ def accept_group(conn: sqlite3.Connection, group: AcceptedGroup, *, probation_gr
     if n != 1:
         return None
     mean_reward = sum(group.rewards) / len(group.rewards) if group.rewards else 0.0
-    row = conn.execute(
-        "INSERT INTO groups(lease_id, node_id, prompt_id, env, policy_version, temperature, arrival_ms, content_hash, "
-        "tokens, mean_reward, verified) VALUES(?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) RETURNING group_id",
-        (group.lease_id, group.node_id, group.prompt_id, group.env, group.policy_version, group.temperature,
-         group.arrival_ms, group.content_hash, group.tokens, mean_reward, int(group.verified)),
-    ).fetchone()
-    gid = int(row[0])
+    inserted, _, _ = execute_together(conn, [
+        ("INSERT INTO groups(lease_id, node_id, prompt_id, env, policy_version, temperature, arrival_ms, content_hash, "
+         "tokens, mean_reward, verified) VALUES(?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) RETURNING group_id",
+         (group.lease_id, group.node_id, group.prompt_id, group.env, group.policy_version, group.temperature,
+          group.arrival_ms, group.content_hash, group.tokens, mean_reward, int(group.verified))),
+        ("UPDATE prompts SET state = ? WHERE prompt_id = ?", (PromptState.DONE, group.prompt_id)),
+        _credit_node_statement(group.node_id, group.tokens, clean=group.clean, now_ms=group.arrival_ms,
+                               probation_groups=probation_groups),
+    ])
+    gid = int(inserted.fetchone()[0])
     # One statement for all samples (a round trip and a statement each cost more than a row on PostgreSQL).
     if group.samples:
         conn.execute(_insert_samples_sql(len(group.samples)),
                      [v for i, (tok, lp, trusted, finish) in enumerate(group.samples)
                       for v in (gid, i, tok, lp, trusted, group.rewards[i], finish)])
-    conn.execute("UPDATE prompts SET state = ? WHERE prompt_id = ?", (PromptState.DONE, group.prompt_id))
-    credit_node(conn, group.node_id, group.tokens, clean=group.clean, now_ms=group.arrival_ms,
-                probation_groups=probation_groups)
     return gid
 
 
 def credit_node(conn: sqlite3.Connection, node_id: str, tokens: int, *, clean: bool, now_ms: int,
                 probation_groups: int) -> None:
     """Credit an accepted group; ``probation_groups`` clean groups since the last strike make a node trusted."""
+    conn.execute(*_credit_node_statement(node_id, tokens, clean=clean, now_ms=now_ms,
+                                         probation_groups=probation_groups))
+
+
+def _credit_node_statement(node_id: str, tokens: int, *, clean: bool, now_ms: int,
+                           probation_groups: int) -> tuple[str, tuple]:
     # SET expressions see the row before the update: clean_groups + ? is the new count.
-    conn.execute(
-        "UPDATE nodes SET accepted_groups = accepted_groups + 1, accepted_tokens = accepted_tokens + ?, "
-        "clean_groups = clean_groups + ?, last_seen_ms = ?, standing = CASE WHEN standing = ? "
-        "AND clean_groups + ? >= ? THEN ? ELSE standing END WHERE node_id = ?",
-        (tokens, int(clean), now_ms, Standing.PROBATION, int(clean), probation_groups, Standing.TRUSTED, node_id),
-    )
+    return ("UPDATE nodes SET accepted_groups = accepted_groups + 1, accepted_tokens = accepted_tokens + ?, "
+            "clean_groups = clean_groups + ?, last_seen_ms = ?, standing = CASE WHEN standing = ? "
+            "AND clean_groups + ? >= ? THEN ? ELSE standing END WHERE node_id = ?",
+            (tokens, int(clean), now_ms, Standing.PROBATION, int(clean), probation_groups, Standing.TRUSTED, node_id))
 
 
 def group_answer(conn: sqlite3.Connection, group_id: int) -> tuple[int, list[float]]:

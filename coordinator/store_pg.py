@@ -21,6 +21,7 @@ import contextlib
 import functools
 import hashlib
 import re
+import select
 import time
 from collections.abc import Callable, Iterator
 from typing import TypeVar
@@ -463,6 +464,7 @@ class Result:
 
 
 TUPLES_OK = pq.ExecStatus.TUPLES_OK if psycopg is not None else None
+PIPELINE_SYNC = pq.ExecStatus.PIPELINE_SYNC if psycopg is not None else None
 ANSWERED = (frozenset({pq.ExecStatus.COMMAND_OK, pq.ExecStatus.TUPLES_OK, pq.ExecStatus.EMPTY_QUERY})
             if psycopg is not None else frozenset())
 
@@ -573,6 +575,61 @@ class PgConnection:
             else:
                 res = pg.exec_prepared(name, values, formats)
         self._check(res)
+        return self._result(res)
+
+    def execute_together(self, statements: list[tuple[str, tuple]]) -> list[Result]:
+        """Statements none of which depends on another's result, in order, in one round trip (libpq's pipeline
+        mode): the store's writer pays a wait on PostgreSQL, and a hand-off of the GIL on its way back, once
+        for all of them instead of once each. The first that fails raises (the ones after it did not run)."""
+        self.statements += len(statements) - 1
+        return self._run(statements[0][0], lambda conn: self._pipeline(conn, statements))
+
+    def _pipeline(self, conn, statements: list[tuple[str, tuple]]) -> list[Result]:
+        pg = conn.pgconn
+        sends = []
+        for sql, params in statements:  # prepared first, outside the pipeline (a few statements, once a session)
+            values, types, formats = dump_params(params, self._tx)
+            key = (sql, types)
+            name = self._prepared.get(key)
+            if name is None and len(self._prepared) < PREPARED_MAX:
+                name = b"veriroll_%d" % len(self._prepared)
+                self._check(pg.prepare(name, statement(sql), types))
+                self._prepared[key] = name
+            sends.append((name, statement(sql), values, types, formats))
+        results = []
+        pg.enter_pipeline_mode()
+        try:
+            for name, stmt, values, types, formats in sends:
+                if name is None:
+                    pg.send_query_params(stmt, values, types, formats)
+                else:
+                    pg.send_query_prepared(name, values, formats)
+            pg.pipeline_sync()
+            while pg.flush():  # the connection does not block: wait (GIL released) until it can write
+                select.select([], [pg.socket], [])
+            while True:
+                while pg.is_busy():  # wait for PostgreSQL with the GIL released, as a blocking call would
+                    select.select([pg.socket], [], [])
+                    pg.consume_input()
+                res = pg.get_result()
+                if res is None:  # the end of one statement's results
+                    continue
+                if res.status == PIPELINE_SYNC:
+                    break
+                results.append(res)
+        finally:
+            if pg.pipeline_status != pq.PipelineStatus.OFF and not conn.broken:
+                try:
+                    pg.exit_pipeline_mode()
+                except psycopg.Error:  # results left uncollected (an error or a cancel mid-way): the session
+                    conn.close()       # cannot be trusted; the next statement that may start afresh reopens it
+        out = []
+        for res in results:  # the failed one raises; those after it are PIPELINE_ABORTED, never reached
+            self._check(res)
+            out.append(self._result(res))
+        return out
+
+    def _result(self, res) -> Result:
         if res.status == TUPLES_OK:
             tx = self._tx
             tx.set_pgresult(res)

@@ -115,3 +115,34 @@ def test_prepared_statements_are_bounded_and_remade_on_a_new_session(conn, monke
             time.sleep(store_pg.RECONNECT_EVERY_S / 5)
     assert row[0] != pid
     assert conn.execute("SELECT COUNT(*) FROM t WHERE k = ?", ("p",)).fetchone()[0] == 1
+
+
+def test_statements_together_answer_in_order_in_one_round_trip_and_fail_like_one_by_one(conn):
+    conn.execute("INSERT INTO t(k, i) VALUES(?, ?), (?, ?)", ("a", 1, "b", 2))
+    before = conn.statements
+    inserted, updated, read = conn.execute_together([
+        ("INSERT INTO t(k, i) VALUES(?, ?) RETURNING i * 10", ("c", 3)),
+        ("UPDATE t SET i = i + ? WHERE k IN (?, ?)", (100, "a", "b")),
+        ("SELECT k, i FROM t ORDER BY k", ()),
+    ])
+    assert conn.statements - before == 3
+    assert inserted.fetchone()[0] == 30 and updated.rowcount == 2
+    assert [tuple(r) for r in read] == [("a", 101), ("b", 102), ("c", 3)]  # each sees the ones before it
+    # Inside a transaction, a failing statement raises its own error, the ones after it never run, and the
+    # transaction is failed until ROLLBACK, as with one statement at a time.
+    conn.execute("BEGIN")
+    with pytest.raises(store_pg.psycopg.errors.UniqueViolation):
+        conn.execute_together([("UPDATE t SET i = 0 WHERE k = ?", ("a",)), ("INSERT INTO t(k) VALUES(?)", ("a",)),
+                               ("UPDATE t SET i = 0 WHERE k = ?", ("b",))])
+    with pytest.raises(store_pg.psycopg.errors.InFailedSqlTransaction):
+        conn.execute("SELECT 1 WHERE 1 = ?", (1,))
+    conn.execute("ROLLBACK")
+    assert [tuple(r) for r in conn.execute("SELECT k, i FROM t WHERE k <> ? ORDER BY k", ("c",))] == \
+        [("a", 101), ("b", 102)]
+    # The connection is usable at once (out of pipeline mode), and a lost session is StoreUnavailable.
+    other = store_pg.PgConnection(conn._url)
+    pid = conn.execute("SELECT pg_backend_pid() WHERE 1 = ?", (1,)).fetchone()[0]
+    other.execute("SELECT pg_terminate_backend(CAST(? AS INTEGER))", (pid,))
+    other.close()
+    with pytest.raises(store_pg.StoreUnavailable):
+        conn.execute_together([("UPDATE t SET i = 1 WHERE k = ?", ("a",)), ("UPDATE t SET i = 1 WHERE k = ?", ("b",))])
