@@ -337,8 +337,8 @@ async def _follow_policy(coord: Coordinator, every_s: float = 1.0) -> None:
 
 
 async def _housekeeping(coord: Coordinator) -> None:
-    """Expire leases (their prompts return to the pool), follow standing changes made elsewhere (the node
-    cache), refresh gauges, every second; drop old noted standing changes once a minute."""
+    """Expire leases (their prompts return to the pool) and follow standing changes made elsewhere (the node
+    cache), every second; drop old noted standing changes once a minute."""
     forgot_changes_at = -60_000
     while True:
         try:
@@ -352,7 +352,8 @@ async def _housekeeping(coord: Coordinator) -> None:
             if now - forgot_changes_at >= 60_000:
                 await coord.db.run(st.forget_standing_changes)
                 forgot_changes_at = now
-            await coord.service.refresh_gauges()
+            # The gauges are not refreshed here: /metrics refreshes them when it is scraped, and their summary
+            # counts whole tables (nodes, groups): every second on every edge it cost O(rows) for nothing.
         except st.StoreUnavailable as exc:  # PostgreSQL restarting: the store reconnects by itself
             log.warning("housekeeping: the store is unavailable (%s)", exc)
         except Exception:  # keep housekeeping alive; log and go on
