@@ -564,18 +564,24 @@ class PgConnection:
             res = pg.exec_(statement(sql))
         else:
             values, types, formats = dump_params(params, self._tx)
-            key = (sql, types)
-            name = self._prepared.get(key)
-            if name is None and len(self._prepared) < PREPARED_MAX:
-                name = b"veriroll_%d" % len(self._prepared)
-                self._check(pg.prepare(name, statement(sql), types))
-                self._prepared[key] = name
+            name = self._prepared_name(pg, sql, types)
             if name is None:
                 res = pg.exec_params(statement(sql), values, types, formats)
             else:
                 res = pg.exec_prepared(name, values, formats)
         self._check(res)
         return self._result(res)
+
+    def _prepared_name(self, pg, sql: str, types: tuple[int, ...]) -> bytes | None:
+        """The server-side name of ``sql`` with parameters of ``types`` on this session, prepared now if it is
+        new; None past PREPARED_MAX (run it unprepared)."""
+        key = (sql, types)
+        name = self._prepared.get(key)
+        if name is None and len(self._prepared) < PREPARED_MAX:
+            name = b"veriroll_%d" % len(self._prepared)
+            self._check(pg.prepare(name, statement(sql), types))
+            self._prepared[key] = name
+        return name
 
     def execute_together(self, statements: list[tuple[str, tuple]]) -> list[Result]:
         """Statements none of which depends on another's result, in order, in one round trip (libpq's pipeline
@@ -589,13 +595,7 @@ class PgConnection:
         sends = []
         for sql, params in statements:  # prepared first, outside the pipeline (a few statements, once a session)
             values, types, formats = dump_params(params, self._tx)
-            key = (sql, types)
-            name = self._prepared.get(key)
-            if name is None and len(self._prepared) < PREPARED_MAX:
-                name = b"veriroll_%d" % len(self._prepared)
-                self._check(pg.prepare(name, statement(sql), types))
-                self._prepared[key] = name
-            sends.append((name, statement(sql), values, types, formats))
+            sends.append((self._prepared_name(pg, sql, types), statement(sql), values, types, formats))
         results = []
         pg.enter_pipeline_mode()
         try:
