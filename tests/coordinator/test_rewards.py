@@ -149,20 +149,24 @@ def _group(lease: pb.Lease, heads: list[int]) -> pb.SubmitGroupRequest:
     return pb.SubmitGroupRequest(lease_id=lease.lease_id, policy_version=lease.policy_version, samples=samples)
 
 
+async def _submit_heads(coord, stub, heads: str, loaded_version: int) -> pb.SubmitGroupResponse:
+    """Lease one group and submit it with one sample per character of ``heads`` (its first token)."""
+    ids = dict(zip(heads, coord.service.tokenizer.convert_tokens_to_ids(list(heads)), strict=True))
+    lease = (await stub.lease_work(pb.LeaseRequest(max_leases=1, loaded_version=loaded_version))).leases[0]
+    return await stub.submit_group(_group(lease, [ids[c] for c in heads]))
+
+
 def test_coordinator_accepts_a_group_whose_rewards_raise_or_hang_and_counts_them(tmp_path, flaky_spec):
     base = make_coordinator_dir(tmp_path, {"environment.name": flaky_spec, "environment.kwargs": {},
                                            "environment.reward_timeout_s": 0.5})
 
     async def scenario():
         async with running_coordinator(base) as coord, node_client(coord) as stub:
-            ids = dict(zip("12345", coord.service.tokenizer.convert_tokens_to_ids(list("12345")), strict=True))
-            lease = (await stub.lease_work(pb.LeaseRequest(max_leases=1, loaded_version=-1))).leases[0]
-            ok = await stub.submit_group(_group(lease, [ids["1"], ids["3"], ids["4"], ids["2"]]))
+            ok = await _submit_heads(coord, stub, "1342", loaded_version=-1)
             assert ok.accepted and list(ok.rewards) == [1.0, 0.0, 0.0, 0.5]
             m = coord.service.metrics
             assert m.reward_errors.get(kind="exception") == 1 and m.reward_errors.get(kind="timeout") == 1
-            lease = (await stub.lease_work(pb.LeaseRequest(max_leases=1, loaded_version=0))).leases[0]
-            ok = await stub.submit_group(_group(lease, [ids["1"], ids["2"], ids["1"], ids["1"]]))
+            ok = await _submit_heads(coord, stub, "1211", loaded_version=0)
             assert ok.accepted and list(ok.rewards) == [1.0, 0.5, 1.0, 1.0]
             assert m.reward_errors.get(kind="timeout") == 1
             stored = coord.db.run_sync(lambda c: [r[0] for r in c.execute("SELECT reward FROM samples ORDER BY rowid")])
@@ -338,9 +342,7 @@ def test_a_coordinator_scoring_inline_counts_a_reward_that_raises_or_is_not_fini
     async def scenario():
         async with running_coordinator(base) as coord, node_client(coord) as stub:
             assert coord.service.rewards.inline is not None
-            ids = dict(zip("1235", coord.service.tokenizer.convert_tokens_to_ids(list("1235")), strict=True))
-            lease = (await stub.lease_work(pb.LeaseRequest(max_leases=1, loaded_version=-1))).leases[0]
-            ok = await stub.submit_group(_group(lease, [ids["1"], ids["3"], ids["5"], ids["2"]]))
+            ok = await _submit_heads(coord, stub, "1352", loaded_version=-1)
             assert ok.accepted and list(ok.rewards) == [1.0, 0.0, 0.0, 0.5]
             m = coord.service.metrics
             assert m.reward_errors.get(kind="exception") == 1 and m.reward_errors.get(kind="invalid") == 1
