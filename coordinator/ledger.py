@@ -92,15 +92,11 @@ class Ledger:
         """Drop the cached nodes whose standing changed since the last call, wherever it changed (another
         edge, the operator's CLI): one read of the store's feed (``st.standing_changes``), the same cost at
         10 or 10,000 nodes. Returns how many cached nodes were dropped."""
-        first = self._changes_since is None
-        if first:  # start at the newest change: what came before is in the rows this cache reads
+        if self._changes_since is None:  # start at the newest change, less the slack, like any later read
             newest = await self.db.run_read(st.newest_standing_change_ms)
             self._changes_since = 0 if newest is None else max(0, newest - CHANGES_SLACK_MS)
         since = self._changes_since
         rows = await self.db.run_read(lambda c: st.standing_changes(c, since, CHANGES_PAGE))
-        if first:  # the changes inside the slack window are known already
-            self._applied = {seq: ms for seq, _, ms in rows}
-            return 0
         if len(rows) >= CHANGES_PAGE:
             # More changes than a page (a mass ban): drop the whole cache and go on past them; a node read
             # again from here on is read as it is now.
