@@ -82,14 +82,23 @@ class LeaseDesk:
         salt = f":{secrets.token_hex(8)}" if cfg.role == "edge" else ""
         self._rng = random.Random(f"{cfg.environment.seed}:{drawn}{salt}")
         self._expired_at = -EXPIRE_EVERY_MS  # the clock (ms) when a lease op last expired leases
+        self._spare: st.FreshPrompt | None = None  # drawn, not stored (see _next_prompt)
+
+    def _next_prompt(self) -> st.FreshPrompt:
+        """The next prompt of the stream (the writer's thread only): one drawn earlier and not stored (a
+        ``lease_one`` leftover) first, so that the stream skips none."""
+        if self._spare is not None:
+            prompt, self._spare = self._spare, None
+            return prompt
+        prompt = self.env.sample_prompts(self._rng, 1)[0]
+        # The conversation as the model saw it rides in meta, so the reward sees the whole prompt.
+        meta = {**(prompt.meta or {}), MESSAGES_META_KEY: self.renderer.messages(prompt)}
+        return st.FreshPrompt(prompt.env, prompt.text, prompt.answer, meta, self.renderer.render(prompt))
 
     def _draw_prompt(self, conn) -> tuple[int, list[int], str]:
         """Draw the next prompt of the stream and store it as leased: its id, token ids and environment."""
-        prompt = self.env.sample_prompts(self._rng, 1)[0]
-        ids = self.renderer.render(prompt)
-        # The conversation as the model saw it rides in meta, so the reward sees the whole prompt.
-        meta = {**(prompt.meta or {}), MESSAGES_META_KEY: self.renderer.messages(prompt)}
-        return st.insert_leased_prompt(conn, prompt.env, prompt.text, prompt.answer, meta, ids), ids, prompt.env
+        p = self._next_prompt()
+        return st.insert_leased_prompt(conn, p.env, p.text, p.answer, p.meta, p.prompt_ids), p.prompt_ids, p.env
 
     def _budget(self, node_id: str) -> LeaseBudget:
         lc = self.cfg.leases
@@ -133,6 +142,20 @@ class LeaseDesk:
             expired = 0
             if now - self._expired_at >= EXPIRE_EVERY_MS:
                 expired, self._expired_at = st.expire_leases(conn, now), now
+            if wanted == 1 and not probation:
+                # The common case (a trusted node asking for its next lease) in one store operation.
+                lease_id, seeds = fresh[0]
+                one = st.lease_one(conn, st.LeaseRecord(
+                    lease_id=lease_id, node_id=node.node_id, prompt_id=0, group_size=lc.group_size,
+                    temperature=lc.temperature, max_new_tokens=lc.max_new_tokens, seeds=tuple(seeds),
+                    stop_token_ids=tuple(self.stop_token_ids), policy_version=lease_version, issued_ms=now,
+                    deadline_ms=deadline, state=st.LeaseState.OPEN), self._next_prompt,
+                    queue_max=lc.queue_maxsize, max_open=max_open)
+                if one.leftover is not None:
+                    self._spare = one.leftover
+                if one.prompt_id is not None:
+                    return [(lease_id, one.prompt_ids, one.env, seeds)], expired, ""
+                return [], expired, "backpressure" if one.queued >= lc.queue_maxsize else "too_many_open_leases"
             queued, open_of_node = st.lease_limits(conn, node.node_id)
             if queued >= lc.queue_maxsize:
                 return [], expired, "backpressure"

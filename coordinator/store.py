@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import functools
 import json
 import queue
@@ -892,6 +893,92 @@ def insert_lease(conn: sqlite3.Connection, lease: LeaseRecord) -> None:
     )
 
 
+@dataclass(frozen=True)
+class FreshPrompt:
+    """A prompt drawn from the environment's stream, not stored yet."""
+
+    env: str
+    text: str
+    answer: str
+    meta: dict
+    prompt_ids: list[int]
+
+
+@dataclass(frozen=True)
+class LeasedOne:
+    """What ``lease_one`` did: the limits it read, and the prompt leased (None: refused by a limit)."""
+
+    queued: int  # groups queued for the trainer
+    open_of_node: int  # the node's open leases before this one
+    prompt_id: int | None
+    prompt_ids: list[int] | None
+    env: str | None
+    leftover: FreshPrompt | None  # the fresh prompt asked for and not stored (a pooled one went first)
+
+
+def lease_one(conn: sqlite3.Connection, lease: LeaseRecord, fresh: Callable[[], FreshPrompt], *, queue_max: int,
+              max_open: int) -> LeasedOne:
+    """Issue ``lease`` (its ``prompt_id`` is filled here) unless the trainer's queue holds ``queue_max`` groups or
+    the node ``max_open`` open leases: a prompt back in the pool goes first, else ``fresh()`` is stored as
+    leased and counted as drawn. LeaseWork's common case (one lease, a trusted node) as one operation."""
+    if isinstance(conn, store_pg.PgConnection):
+        return _lease_one_pg(conn, lease, fresh, queue_max=queue_max, max_open=max_open)
+    queued, open_of_node = lease_limits(conn, lease.node_id)
+    if queued >= queue_max or open_of_node >= max_open:
+        return LeasedOne(queued, open_of_node, None, None, None, None)
+    taken = take_pending_prompt(conn)
+    if taken is not None:
+        prompt_id, ids, env = taken
+    else:
+        p = fresh()
+        prompt_id, ids, env = insert_leased_prompt(conn, p.env, p.text, p.answer, p.meta, p.prompt_ids), p.prompt_ids, p.env
+    insert_lease(conn, dataclasses.replace(lease, prompt_id=prompt_id))
+    return LeasedOne(queued, open_of_node, prompt_id, ids, env, None)
+
+
+_LEASE_ONE_PG = (
+    # One statement, so one round trip: the limits, a pooled prompt or the fresh one, the lease and the count
+    # of draws as data-modifying CTEs over one snapshot. Each write runs only when the one before it let it:
+    # `ok` is empty past a limit, `fresh` only when no pooled prompt was taken, the lease only with a prompt.
+    "WITH lim AS (SELECT (SELECT COALESCE(SUM(value), 0) FROM counters WHERE name = 'queued_groups') AS queued, "
+    "(SELECT COUNT(*) FROM leases WHERE node_id = ? AND state = ?) AS open_of_node), "
+    "ok AS (SELECT 1 FROM lim WHERE queued < ? AND open_of_node < ?), "
+    "taken AS (UPDATE prompts SET state = ?, attempts = attempts + 1 WHERE EXISTS (SELECT 1 FROM ok) AND state = ? "
+    "AND prompt_id = (SELECT prompt_id FROM prompts WHERE state = ? ORDER BY prompt_id LIMIT 1 /*SKIP LOCKED*/) "
+    "RETURNING prompt_id, prompt_ids, env), "
+    "fresh AS (INSERT INTO prompts(env, text, answer, meta, prompt_ids, state, attempts) "
+    "SELECT ?::text, ?::text, ?::text, ?::text, ?::bytea, ?::text, 1 FROM ok WHERE NOT EXISTS (SELECT 1 FROM taken) "
+    "RETURNING prompt_id, prompt_ids, env), "
+    "chosen AS (SELECT prompt_id, prompt_ids, env, false AS is_fresh FROM taken "
+    "UNION ALL SELECT prompt_id, prompt_ids, env, true FROM fresh), "
+    "issued AS (INSERT INTO leases(lease_id, node_id, prompt_id, group_size, temperature, max_new_tokens, seeds, "
+    "stop_token_ids, policy_version, issued_ms, deadline_ms, state, probation) "
+    "SELECT ?::text, ?::text, prompt_id, ?, ?, ?, ?::text, ?::text, ?, ?, ?, ?::text, ? FROM chosen), "
+    "drawn AS (UPDATE counters SET value = value + 1 WHERE name = 'prompts_drawn' /*SLOT*/ "
+    "AND EXISTS (SELECT 1 FROM fresh)) "
+    "SELECT lim.queued, lim.open_of_node, chosen.prompt_id, chosen.prompt_ids, chosen.env, chosen.is_fresh "
+    "FROM lim LEFT JOIN chosen ON true")
+
+
+def _lease_one_pg(conn, lease: LeaseRecord, fresh: Callable[[], FreshPrompt], *, queue_max: int,
+                  max_open: int) -> LeasedOne:
+    # The fresh prompt is drawn before the statement knows whether it needs it; when a pooled prompt went
+    # first (or a limit refused) it is handed back as ``leftover`` for the next lease, so the stream skips none.
+    p = fresh()
+    row = conn.execute(_LEASE_ONE_PG, (
+        lease.node_id, LeaseState.OPEN, queue_max, max_open,
+        PromptState.LEASED, PromptState.PENDING, PromptState.PENDING,
+        p.env, p.text, p.answer, json.dumps(p.meta), pack_i32(p.prompt_ids), PromptState.LEASED,
+        lease.lease_id, lease.node_id, lease.group_size, lease.temperature, lease.max_new_tokens,
+        json.dumps(list(lease.seeds)), json.dumps(list(lease.stop_token_ids)), lease.policy_version,
+        lease.issued_ms, lease.deadline_ms, lease.state, int(lease.probation))).fetchone()
+    queued, open_of_node, prompt_id, blob, env, is_fresh = row
+    if prompt_id is None:
+        return LeasedOne(int(queued), int(open_of_node), None, None, None, p)
+    return LeasedOne(int(queued), int(open_of_node), int(prompt_id), unpack_i32(blob).tolist(), env,
+                     None if is_fresh else p)
+
+
 LEASE_COLUMNS = ("lease_id", "node_id", "prompt_id", "group_size", "temperature", "max_new_tokens", "seeds",
                  "stop_token_ids", "policy_version", "issued_ms", "deadline_ms", "state", "probation")
 PROMPT_COLUMNS = ("prompt_id", "env", "text", "answer", "meta", "prompt_ids", "state", "attempts")
@@ -964,6 +1051,8 @@ def _insert_samples_sql(n: int) -> str:
 def accept_group(conn: sqlite3.Connection, group: AcceptedGroup, *, probation_groups: int) -> int | None:
     """Spend the lease on the group, store the group, mark its prompt done and credit the node; the group id,
     or None when the lease is no longer open (a concurrent submission won)."""
+    if isinstance(conn, store_pg.PgConnection):
+        return _accept_group_pg(conn, group, probation_groups=probation_groups)
     n = conn.execute("UPDATE leases SET state = ? WHERE lease_id = ? AND state = ?",
                      (LeaseState.SUBMITTED, group.lease_id, LeaseState.OPEN)).rowcount
     if n != 1:
@@ -985,6 +1074,38 @@ def accept_group(conn: sqlite3.Connection, group: AcceptedGroup, *, probation_gr
                      [v for i, (tok, lp, trusted, finish) in enumerate(group.samples)
                       for v in (gid, i, tok, lp, trusted, group.rewards[i], finish)])
     return gid
+
+
+@functools.lru_cache(maxsize=64)
+def _accept_group_pg_sql(n: int) -> str:
+    """accept_group on PostgreSQL as one statement: its five writes as data-modifying CTEs, each but the first
+    fed by the one before it (no group unless the lease was still open; nothing else without the group)."""
+    credit, _ = _credit_node_statement("", 0, clean=False, now_ms=0, probation_groups=0)
+    samples = ", ".join(["(?::bigint, ?::bytea, ?::bytea, ?::bytea, ?::float8, ?::text)"] * n)
+    return ("WITH spent AS (UPDATE leases SET state = ? WHERE lease_id = ? AND state = ? RETURNING lease_id), "
+            "g AS (INSERT INTO groups(lease_id, node_id, prompt_id, env, policy_version, temperature, arrival_ms, "
+            "content_hash, tokens, mean_reward, verified) "
+            "SELECT lease_id, ?::text, ?, ?::text, ?, ?, ?, ?::text, ?, ?, ? FROM spent RETURNING group_id)"
+            + (", s AS (INSERT INTO samples(group_id, idx, token_ids, logprobs, trusted_logprobs, reward, finish_reason) "
+               f"SELECT g.group_id, v.* FROM g CROSS JOIN (VALUES {samples}) AS v)" if n else "")
+            + ", p AS (UPDATE prompts SET state = ? WHERE prompt_id = ? AND EXISTS (SELECT 1 FROM g)), "
+            f"c AS ({credit} AND EXISTS (SELECT 1 FROM g)) SELECT group_id FROM g")
+
+
+def _accept_group_pg(conn, group: AcceptedGroup, *, probation_groups: int) -> int | None:
+    # One round trip and one statement where the SQLite path takes five statements: an edge's writer waits on
+    # PostgreSQL, and takes the GIL back from the event loop, once per group instead of three times.
+    mean_reward = sum(group.rewards) / len(group.rewards) if group.rewards else 0.0
+    _, credit = _credit_node_statement(group.node_id, group.tokens, clean=group.clean, now_ms=group.arrival_ms,
+                                       probation_groups=probation_groups)
+    params = [LeaseState.SUBMITTED, group.lease_id, LeaseState.OPEN,
+              group.node_id, group.prompt_id, group.env, group.policy_version, group.temperature, group.arrival_ms,
+              group.content_hash, group.tokens, mean_reward, int(group.verified)]
+    for i, (tok, lp, trusted, finish) in enumerate(group.samples):
+        params += (i, tok, lp, trusted, group.rewards[i], finish)
+    params += (PromptState.DONE, group.prompt_id, *credit)
+    row = conn.execute(_accept_group_pg_sql(len(group.samples)), params).fetchone()
+    return None if row is None else int(row[0])
 
 
 def credit_node(conn: sqlite3.Connection, node_id: str, tokens: int, *, clean: bool, now_ms: int,

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import json
 import random
 import threading
 from pathlib import Path
@@ -313,3 +315,122 @@ def test_a_mass_change_drops_the_whole_node_cache_once_and_the_feed_goes_on(tmp_
         assert asyncio.run(ledger.follow_standing_changes()) == 1  # and later changes still arrive
     finally:
         db.close()
+
+
+def _lease(lease_id: str, node_id: str, *, deadline: int = 10_000) -> st.LeaseRecord:
+    return st.LeaseRecord(lease_id=lease_id, node_id=node_id, prompt_id=0, group_size=2, temperature=0.5,
+                          max_new_tokens=3, seeds=(7, 8), stop_token_ids=(2,), policy_version=4, issued_ms=1,
+                          deadline_ms=deadline, state=st.LeaseState.OPEN)
+
+
+def _rows(conn, sql: str) -> list[tuple]:
+    return [tuple(bytes(v) if isinstance(v, memoryview) else v for v in r) for r in conn.execute(sql).fetchall()]
+
+
+def test_lease_one_issues_a_pooled_prompt_first_then_fresh_ones_within_the_limits(store_target):
+    """LeaseWork's common case as one operation (one statement on PostgreSQL): the same rows, counts and
+    refusals on both backends."""
+    db = st.Database(store_target)
+    drawn: list[st.FreshPrompt] = []
+    spare: list[st.FreshPrompt] = []
+
+    def fresh() -> st.FreshPrompt:  # as the lease desk does: a leftover goes first, so the stream skips none
+        if spare:
+            return spare.pop()
+        drawn.append(st.FreshPrompt("e", f"{len(drawn)}+1=", str(len(drawn) + 1), {"k": len(drawn)}, [1, 5, len(drawn)]))
+        return drawn[-1]
+
+    def lease_one(conn, lease_id: str, node_id: str) -> st.LeasedOne:
+        one = st.lease_one(conn, _lease(lease_id, node_id), fresh, queue_max=5, max_open=2)
+        if one.leftover is not None:
+            spare.append(one.leftover)
+        return one
+
+    def script(conn):
+        out = {}
+        pooled = st.insert_leased_prompt(conn, "pool", "9+9=", "18", {}, [1, 9, 9])
+        st.insert_lease(conn, dataclasses.replace(_lease("old", "m"), prompt_id=pooled))
+        st.spend_lease(conn, "old", pooled)  # its prompt is back in the pool
+        out["first"] = lease_one(conn, "L1", "n")
+        out["second"] = lease_one(conn, "L2", "n")
+        out["full"] = lease_one(conn, "L3", "n")
+        out["other"] = lease_one(conn, "L4", "o")
+        for i in range(5):
+            conn.execute("INSERT INTO groups(lease_id, node_id, prompt_id, env, policy_version, temperature, "
+                         "arrival_ms, content_hash, tokens, mean_reward, verified) "
+                         "VALUES(?, 'x', 0, 'e', 0, 1.0, 0, 'h', 1, 0.0, 0)", (f"g{i}",))
+        out["queue_full"] = lease_one(conn, "L5", "p")
+        out["drawn"] = st.prompts_drawn(conn)
+        out["leases"] = _rows(conn, "SELECT lease_id, node_id, prompt_id, group_size, temperature, max_new_tokens, "
+                                    "seeds, stop_token_ids, policy_version, issued_ms, deadline_ms, state, probation "
+                                    "FROM leases WHERE lease_id <> 'old' ORDER BY lease_id")
+        out["prompts"] = _rows(conn, "SELECT prompt_id, env, text, answer, meta, prompt_ids, state, attempts "
+                                     "FROM prompts ORDER BY prompt_id")
+        return out
+
+    try:
+        out = db.run_sync(script)
+    finally:
+        db.close()
+    first, second, full, other, queue_full = (out[k] for k in ("first", "second", "full", "other", "queue_full"))
+    # The pooled prompt went first; the fresh prompt asked for is handed back (PostgreSQL draws it before the
+    # statement) or was never drawn (SQLite): either way it is not stored and not counted.
+    assert (first.queued, first.open_of_node, first.prompt_ids, first.env) == (0, 0, [1, 9, 9], "pool")
+    assert first.leftover is None or first.leftover == drawn[0]
+    stored = drawn[:2]  # the stream's first two prompts, in order, whatever was drawn ahead
+    assert len(drawn) == (2 if isinstance(store_target, Path) else 3)  # (PostgreSQL: a third drawn for L5, kept)
+    assert (second.open_of_node, second.prompt_ids, second.env, second.leftover) == (1, stored[0].prompt_ids, "e", None)
+    assert (full.open_of_node, full.prompt_id) == (2, None)
+    assert (other.open_of_node, other.prompt_ids, other.leftover) == (0, stored[1].prompt_ids, None)
+    assert (queue_full.queued, queue_full.prompt_id) == (5, None)
+    assert out["drawn"] == 3  # the pooled prompt, and the two fresh ones stored
+    pool_id = out["prompts"][0][0]
+    assert [r[:3] for r in out["leases"]] == [("L1", "n", pool_id), ("L2", "n", second.prompt_id),
+                                              ("L4", "o", other.prompt_id)]
+    assert {r[3:] for r in out["leases"]} == {(2, 0.5, 3, "[7, 8]", "[2]", 4, 1, 10_000, "open", 0)}
+    assert [r[1:] for r in out["prompts"]] == [
+        ("pool", "9+9=", "18", "{}", st.pack_i32([1, 9, 9]), "leased", 2),
+        *[(d.env, d.text, d.answer, json.dumps(d.meta), st.pack_i32(d.prompt_ids), "leased", 1) for d in stored]]
+
+
+def test_accept_group_stores_the_same_rows_on_both_backends_and_only_for_an_open_lease(store_target):
+    """accept_group (one statement on PostgreSQL): the group, its samples (trusted log-probs or NULL), the
+    prompt done, the node credited and made trusted; nothing at all for a lease that is no longer open."""
+    db = st.Database(store_target)
+    node = "n" * 64
+
+    def script(conn):
+        st.register_node(conn, node, b"k" * 32, 0, {}, "1", "")
+        prompt = st.insert_leased_prompt(conn, "e", "1+1=", "2", {}, [1, 5, 6])
+        st.insert_lease(conn, dataclasses.replace(_lease("L1", node), prompt_id=prompt))
+        group = st.AcceptedGroup(
+            lease_id="L1", node_id=node, prompt_id=prompt, env="e", policy_version=4, temperature=0.5, arrival_ms=77,
+            content_hash="c1", tokens=5, rewards=[1.0, 0.25], verified=True, clean=True,
+            samples=[(st.pack_i32([5, 6, 2]), st.pack_f32([-1, -2, -3]), st.pack_f32([-1.5, -2, -3]), "stop"),
+                     (st.pack_i32([7, 2]), st.pack_f32([-0.5, -0.25]), None, "stop")])
+        gid = st.accept_group(conn, group, probation_groups=1)
+        again = st.accept_group(conn, dataclasses.replace(group, content_hash="c2"), probation_groups=1)
+        return {
+            "gid": gid, "again": again,
+            "groups": _rows(conn, "SELECT group_id, lease_id, node_id, prompt_id, env, policy_version, temperature, "
+                                  "arrival_ms, content_hash, tokens, mean_reward, verified FROM groups"),
+            "samples": _rows(conn, "SELECT group_id, idx, token_ids, logprobs, trusted_logprobs, reward, finish_reason "
+                                   "FROM samples ORDER BY idx"),
+            "state": _rows(conn, "SELECT p.state, l.state FROM prompts p JOIN leases l ON l.prompt_id = p.prompt_id"),
+            "node": _rows(conn, "SELECT standing, clean_groups, accepted_groups, accepted_tokens, last_seen_ms "
+                                "FROM nodes"),
+            "queued": st.queued_groups(conn),
+        }
+
+    try:
+        out = db.run_sync(script)
+    finally:
+        db.close()
+    gid = out["gid"]
+    assert gid is not None and out["again"] is None and out["queued"] == 1
+    assert out["groups"] == [(gid, "L1", node, out["groups"][0][3], "e", 4, 0.5, 77, "c1", 5, 0.625, 1)]
+    assert out["samples"] == [
+        (gid, 0, st.pack_i32([5, 6, 2]), st.pack_f32([-1, -2, -3]), st.pack_f32([-1.5, -2, -3]), 1.0, "stop"),
+        (gid, 1, st.pack_i32([7, 2]), st.pack_f32([-0.5, -0.25]), None, 0.25, "stop")]
+    assert out["state"] == [("done", "submitted")]
+    assert out["node"] == [("trusted", 1, 1, 5, 77)]
