@@ -18,9 +18,10 @@ import json
 import logging
 import math
 import random
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -262,6 +263,15 @@ class Intake:
 
     async def submit_group(self, node: NodeInfo, req: pb.SubmitGroupRequest, *,
                            peer: str = "unknown") -> pb.SubmitGroupResponse:
+        return (await self.submit_group_then(node, req, peer=peer))[0]
+
+    async def submit_group_then(self, node: NodeInfo, req: pb.SubmitGroupRequest, *, peer: str = "unknown",
+                                then: Callable[[], Awaitable[Callable | None]] | None = None
+                                ) -> tuple[pb.SubmitGroupResponse, Any, Exception | None]:
+        """SubmitGroup; ``then``, awaited once the group has passed every check and has its rewards, gives a
+        writer op (or None) to run in the transaction that accepts the group, right after it, and only if it
+        does (``Database.run_chain``): (the response, the op's result, the op's error). An error of the op is
+        undone alone and never refuses the group. A retry of an accepted group does not call ``then``."""
         now = self.clock()
         sub = Submission.from_proto(req)
         digest = content_hash(sub)
@@ -273,7 +283,7 @@ class Intake:
         lease, prompt, prior, rejection = await self.db.run_read(lambda conn: self._precheck(conn, node, sub, digest, now),
                                                                    inline=True)
         if prior is not None:
-            return await self._accepted_response(prior["group_id"])
+            return await self._accepted_response(prior["group_id"]), None, None
         verified = False
         if rejection is None and self.verifier is not None and self._should_audit(node):
             # The only stage that runs the model: only for a group that passed every cheap check, and only
@@ -289,11 +299,18 @@ class Intake:
         rewards = await self.score(prompt, sub)
         # Without verification there is no other evidence of honesty: accepted groups count as clean.
         clean = verified or not self.cfg.intake.verify
-        group_id = await self.db.run(lambda conn: st.accept_group(conn, st.AcceptedGroup(
-            lease_id=lease.lease_id, node_id=node.node_id, prompt_id=lease.prompt_id, env=prompt["env"],
-            policy_version=sub.policy_version, temperature=lease.temperature, arrival_ms=now, content_hash=digest,
-            tokens=sub.num_tokens, rewards=rewards, verified=verified, clean=clean, samples=packed),
-            probation_groups=self.cfg.intake.probation_groups))
+        def accept(conn):
+            return st.accept_group(conn, st.AcceptedGroup(
+                lease_id=lease.lease_id, node_id=node.node_id, prompt_id=lease.prompt_id, env=prompt["env"],
+                policy_version=sub.policy_version, temperature=lease.temperature, arrival_ms=now, content_hash=digest,
+                tokens=sub.num_tokens, rewards=rewards, verified=verified, clean=clean, samples=packed),
+                probation_groups=self.cfg.intake.probation_groups)
+
+        op = await then() if then is not None else None
+        if op is None:
+            group_id, after, error = await self.db.run(accept), None, None
+        else:
+            group_id, after, error = await self.db.run_chain(accept, lambda conn, gid: None if gid is None else op(conn))
         if group_id is None:
             # Another submission of this lease was accepted between the check and the write.
             await self._reject(node, lease, Rejection(Reason.LEASE_USED, "the lease was submitted concurrently"))
@@ -301,7 +318,8 @@ class Intake:
             self.ledger.forget(node.node_id)  # it may have just become trusted
         self.metrics.accepted_groups.inc()
         self.metrics.accepted_tokens.inc(sub.num_tokens)
-        return pb.SubmitGroupResponse(accepted=True, rewards=rewards, credited_tokens=sub.num_tokens, group_id=str(group_id))
+        return (pb.SubmitGroupResponse(accepted=True, rewards=rewards, credited_tokens=sub.num_tokens,
+                                       group_id=str(group_id)), after, error)
 
     async def _verify(self, lease: LeaseRecord, prompt: dict, sub: Submission, node: NodeInfo, peer: str, digest: str,
                       req: pb.SubmitGroupRequest) -> tuple[Rejection | None, list | None]:

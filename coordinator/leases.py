@@ -15,6 +15,7 @@ import secrets
 import time
 from collections import OrderedDict
 from collections.abc import Callable
+from typing import Any, NamedTuple
 
 from veriroll.coordinator import store as st
 from veriroll.coordinator.config import CoordinatorConfig
@@ -56,6 +57,13 @@ class LeaseBudget:
     def ms_until_one(self) -> int:
         missing = max(0.0, 1.0 - self.tokens)
         return 1000 if self.rate <= 0 else max(1000, int(missing / self.rate * 1000))
+
+
+class LeaseStep(NamedTuple):
+    """A planned lease request: the writer op, and the answer made from its result."""
+
+    op: Callable[[Any], Any]
+    answer: Callable[[Any], pb.LeaseResponse]
 
 
 EXPIRE_EVERY_MS = 250
@@ -111,6 +119,15 @@ class LeaseDesk:
         return bucket
 
     async def lease_work(self, node: NodeInfo, req: pb.LeaseRequest, *, peer: str = "unknown") -> pb.LeaseResponse:
+        step = await self.plan(node, req, peer=peer)
+        if isinstance(step, pb.LeaseResponse):
+            return step
+        return step.answer(await self.db.run(step.op))
+
+    async def plan(self, node: NodeInfo, req: pb.LeaseRequest, *, peer: str = "unknown") -> LeaseStep | pb.LeaseResponse:
+        """A lease request up to the store: the answer already when a limit that needs no store refuses, else
+        the writer op to run and how to answer from its result (:meth:`lease_work` runs it alone; a
+        submission's ``next_leases`` runs it in the accepted group's transaction)."""
         lc = self.cfg.leases
         now = self.clock()
         version = self.policy.version
@@ -180,14 +197,17 @@ class LeaseDesk:
                 issued.append((lease_id, ids, env, seeds))
             return issued, expired, ""
 
-        issued, expired, wait = await self.db.run(op)
-        if budget is not None:
-            budget.take(len(issued))
-        leases = [pb.Lease(lease_id=lease_id, prompt_ids=ids, group_size=lc.group_size, temperature=lc.temperature,
-                           max_new_tokens=lc.max_new_tokens, seeds=seeds, policy_version=lease_version,
-                           deadline_ms=deadline, stop_token_ids=self.stop_token_ids, environment=env)
-                  for lease_id, ids, env, seeds in issued]
-        if expired:
-            self.metrics.leases_expired.inc(expired)
-        self.metrics.leases_issued.inc(len(leases))
-        return pb.LeaseResponse(leases=leases, retry_after_ms=0 if leases else 1000, wait_reason=wait)
+        def answer(result) -> pb.LeaseResponse:
+            issued, expired, wait = result
+            if budget is not None:
+                budget.take(len(issued))
+            leases = [pb.Lease(lease_id=lease_id, prompt_ids=ids, group_size=lc.group_size, temperature=lc.temperature,
+                               max_new_tokens=lc.max_new_tokens, seeds=seeds, policy_version=lease_version,
+                               deadline_ms=deadline, stop_token_ids=self.stop_token_ids, environment=env)
+                      for lease_id, ids, env, seeds in issued]
+            if expired:
+                self.metrics.leases_expired.inc(expired)
+            self.metrics.leases_issued.inc(len(leases))
+            return pb.LeaseResponse(leases=leases, retry_after_ms=0 if leases else 1000, wait_reason=wait)
+
+        return LeaseStep(op, answer)

@@ -32,7 +32,7 @@ from veriroll.coordinator.intake import (
     Submission,
     sample_blobs,
 )
-from veriroll.coordinator.leases import LeaseDesk, random_seeds
+from veriroll.coordinator.leases import LeaseDesk, LeaseStep, random_seeds
 from veriroll.coordinator.ledger import Ledger, NodeInfo
 from veriroll.coordinator.limits import PeerGate, address_key
 from veriroll.coordinator.metrics import CoordinatorMetrics
@@ -304,9 +304,30 @@ class CoordinatorService:
 
     async def submit_group(self, node: NodeInfo, req: pb.SubmitGroupRequest, *,
                            peer: str = "unknown") -> pb.SubmitGroupResponse:
-        resp = await self.intake.submit_group(node, req, peer=peer)
-        if req.HasField("next_leases"):
-            resp.next_leases.CopyFrom(await self._next_leases(node, req.next_leases, peer))
+        if not req.HasField("next_leases"):
+            return await self.intake.submit_group(node, req, peer=peer)
+        planned: list[LeaseStep | pb.LeaseResponse] = []
+
+        async def plan():
+            # Planned once the group passed its checks (as LeaseWork after it would be); its store op runs
+            # in the transaction that accepts the group, right after it: one wait on the writer, one commit.
+            try:
+                planned.append(await self.leases.plan(node, req.next_leases, peer=peer))
+            except Exception as exc:  # noqa: BLE001 - answered in the lease answer; the group goes on
+                planned.append(self._lease_failure(exc))
+            step = planned[0]
+            return step.op if isinstance(step, LeaseStep) else None
+
+        resp, result, error = await self.intake.submit_group_then(node, req, peer=peer, then=plan)
+        if not planned:  # an honest retry of a group accepted before: lease as LeaseWork would
+            answer = await self._next_leases(node, req.next_leases, peer)
+        elif isinstance(planned[0], pb.LeaseResponse):
+            answer = planned[0]
+        elif error is not None:
+            answer = self._lease_failure(error)
+        else:
+            answer = planned[0].answer(result)
+        resp.next_leases.CopyFrom(answer)
         return resp
 
     async def _next_leases(self, node: NodeInfo, req: pb.LeaseRequest, peer: str) -> pb.LeaseResponse:
@@ -315,13 +336,18 @@ class CoordinatorService:
         asks again with LeaseWork after ``retry_after_ms``), never as a refusal of the group."""
         try:
             return await self.leases.lease_work(node, req, peer=peer)
-        except st.StoreUnavailable:
+        except Exception as exc:  # noqa: BLE001 - said in the lease answer
+            return self._lease_failure(exc)
+
+    def _lease_failure(self, exc: Exception) -> pb.LeaseResponse:
+        """The lease answer of an accepted group whose lease failed: counted, and retried by the node later."""
+        if isinstance(exc, st.StoreUnavailable):
             self.metrics.requests.inc(method="SubmitGroup.next_leases", result=Reason.STORE_UNAVAILABLE.value)
             return pb.LeaseResponse(retry_after_ms=2000, wait_reason=Reason.STORE_UNAVAILABLE.value)
-        except Exception:  # any bug here is logged and counted; the accepted group stands
-            log.exception("internal error leasing after an accepted group")
-            self.metrics.requests.inc(method="SubmitGroup.next_leases", result=Reason.INTERNAL.value)
-            return pb.LeaseResponse(retry_after_ms=1000, wait_reason=Reason.INTERNAL.value)
+        # Any bug here is logged and counted; the accepted group stands.
+        log.error("internal error leasing after an accepted group", exc_info=exc)
+        self.metrics.requests.inc(method="SubmitGroup.next_leases", result=Reason.INTERNAL.value)
+        return pb.LeaseResponse(retry_after_ms=1000, wait_reason=Reason.INTERNAL.value)
 
     def _score(self, prompt: dict, sub: Submission) -> list[float]:
         """The rewards of a stored prompt's group, blocking (tests and tools re-check stored rewards)."""

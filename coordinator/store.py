@@ -379,7 +379,7 @@ class Database:
     def __init__(self, path: str | Path):
         self.path = path if store_pg.is_url(path) else Path(path)
         self.conn = connect(self.path)
-        self._q: queue.Queue[_Op | None] = queue.Queue()
+        self._q: queue.Queue[_Op | tuple[_Op, ...] | None] = queue.Queue()
         self._thread = threading.Thread(target=self._loop, name="veriroll-db", daemon=True)
         self._closed = False
         self._closing = threading.Lock()
@@ -393,7 +393,7 @@ class Database:
             first = self._q.get()
             if first is None:
                 return
-            batch = [first]
+            batch = list(first) if isinstance(first, tuple) else [first]
             while len(batch) < self.MAX_BATCH:
                 try:
                     nxt = self._q.get_nowait()
@@ -402,7 +402,10 @@ class Database:
                 if nxt is None:
                     self._q.put(None)
                     break
-                batch.append(nxt)
+                if isinstance(nxt, tuple):  # ops queued together (run_chain): never split across batches
+                    batch.extend(nxt)
+                else:
+                    batch.append(nxt)
             self._run_batch(batch)
 
     def _run_batch(self, batch: list[_Op]) -> None:
@@ -515,7 +518,7 @@ class Database:
         else:
             _answer([(op, True, value)])
 
-    def _enqueue(self, op: _Op) -> None:
+    def _enqueue(self, op: _Op | tuple[_Op, ...]) -> None:
         # Under the lock that close() takes: an op is either queued before the stop marker (and answered)
         # or refused, never queued behind it to wait forever.
         with self._closing:
@@ -537,6 +540,39 @@ class Database:
         fut = loop.create_future()
         self._enqueue(_Op(fn, fut, loop))
         return await fut
+
+    async def run_chain(self, first: Callable[[sqlite3.Connection], T],
+                        then: Callable[[sqlite3.Connection, T], Any]) -> tuple[T, Any, Exception | None]:
+        """``first(conn)``, then ``then(conn, first's result)``, in one writer transaction: queued as one item, so
+        they share a batch and its commit (the caller waits on the writer once instead of twice).
+
+        Answered apart: ``first``'s error is raised as :meth:`run` raises it (``then`` is not run). An error of
+        ``then`` is undone alone (the writer runs the batch again with a savepoint per op, as for any op that
+        raises) and returned, not raised: (first's result, then's result or None, then's error or None).
+        """
+        loop = asyncio.get_running_loop()
+        head, tail = loop.create_future(), loop.create_future()
+        ran: list = []  # first's result in this attempt of the batch (the writer may run a batch again)
+
+        def one(conn):
+            ran.clear()
+            value = first(conn)
+            ran.append(value)
+            return value
+
+        def two(conn):
+            return then(conn, ran[0]) if ran else None
+
+        self._enqueue((_Op(one, head, loop), _Op(two, tail, loop)))
+        try:
+            value = await head
+        except BaseException:
+            tail.cancel()  # skipped if it has not started; answered and dropped if it has
+            raise
+        try:
+            return value, await tail, None
+        except Exception as exc:  # noqa: BLE001 - handed to the caller beside first's result
+            return value, None, exc
 
     def close(self) -> None:
         with self._closing:

@@ -475,7 +475,8 @@ def test_a_refused_group_brings_no_lease_and_a_failed_lease_never_refuses_an_acc
             async def store_down(*args, **kwargs):
                 raise st.StoreUnavailable("PostgreSQL is unreachable; reconnecting")
 
-            coord.service.leases.lease_work = store_down
+            desk = coord.service.leases
+            plan, desk.plan = desk.plan, store_down  # fails before the group's transaction
             group = shaped_group(lease)
             group.next_leases.CopyFrom(pb.LeaseRequest())
             ok = await stub.submit_group(group)
@@ -484,5 +485,27 @@ def test_a_refused_group_brings_no_lease_and_a_failed_lease_never_refuses_an_acc
             assert summary(coord)["accepted_groups"] == 1
             metrics = coord.service.metrics.requests
             assert metrics.get(method="SubmitGroup.next_leases", result="store_unavailable") == 1
+
+            # Fails inside the transaction that accepts the group, after the lease's first writes: those are
+            # undone alone, the group is committed.
+            desk.plan = plan
+            lease = (await stub.lease_work(pb.LeaseRequest())).leases[0]
+
+            insert_lease = st.insert_lease
+
+            def broken(conn, record):
+                insert_lease(conn, record)
+                raise RuntimeError("a bug in the lease op")
+
+            st.insert_lease = broken
+            try:
+                group = shaped_group(lease)
+                group.next_leases.CopyFrom(pb.LeaseRequest())
+                ok = await stub.submit_group(group)
+            finally:
+                st.insert_lease = insert_lease
+            assert ok.accepted and ok.next_leases.wait_reason == "internal" and not ok.next_leases.leases
+            assert summary(coord)["accepted_groups"] == 2 and summary(coord)["open_leases"] == 0
+            assert metrics.get(method="SubmitGroup.next_leases", result="internal") == 1
 
     run(scenario())

@@ -434,3 +434,44 @@ def test_accept_group_stores_the_same_rows_on_both_backends_and_only_for_an_open
         (gid, 1, st.pack_i32([7, 2]), st.pack_f32([-0.5, -0.25]), None, 0.25, "stop")]
     assert out["state"] == [("done", "submitted")]
     assert out["node"] == [("trusted", 1, 1, 5, 77)]
+
+
+def test_run_chain_runs_two_ops_in_one_transaction_and_answers_them_apart(store_target):
+    """The accept and the next lease of a submission: ``then`` gets ``first``'s result, both commit together;
+    an error of ``then`` is undone alone and returned; an error of ``first`` is raised and ``then`` never runs."""
+    db = st.Database(store_target)
+    commits: list[str] = []
+    if isinstance(store_target, Path):
+        db.run_sync(lambda conn: conn.set_trace_callback(lambda sql: commits.append(sql) if sql == "COMMIT" else None))
+
+    def put(key: str, value):
+        return lambda conn, *_: st.kv_set(conn, key, value) or value
+
+    def then_fails(conn, value):
+        st.kv_set(conn, "then", value)
+        raise ValueError("then failed")
+
+    def first_fails(conn):
+        st.kv_set(conn, "first2", 1)
+        raise KeyError("first failed")
+
+    async def scenario():
+        before = len(commits)
+        out = {"chained": await db.run_chain(put("first", 1), lambda conn, v: put("then", v + 1)(conn))}
+        out["commits"] = len(commits) - before
+        out["then_fails"] = await db.run_chain(put("first1", 7), then_fails)
+        with pytest.raises(KeyError):
+            await db.run_chain(first_fails, put("then2", 2))
+        return out
+
+    try:
+        out = asyncio.run(scenario())
+        values = db.read(lambda conn: {k: st.kv_get(conn, k) for k in ("first", "then", "first1", "first2", "then2")}).result()
+    finally:
+        db.close()
+    assert out["chained"] == (1, 2, None)
+    value, result, error = out["then_fails"]
+    assert (value, result, type(error)) == (7, None, ValueError)
+    assert values == {"first": 1, "then": 2, "first1": 7, "first2": None, "then2": None}
+    if isinstance(store_target, Path):
+        assert out["commits"] == 1  # one transaction for both
