@@ -5,7 +5,9 @@ generate them; every other part must carry that rate:
 
     groups_per_s      = nodes * node_tokens_per_s / (group_size * tokens_per_sample)   (offered)
     edge processes    = (groups_per_s * edge_s_per_group + nodes / heartbeat_s * edge_s_per_heartbeat)
-                        / utilization
+                        / utilization, or more if their store writers need more:
+                        (groups_per_s * writer_s_per_group + heartbeats/s * writer_s_per_heartbeat) / utilization,
+                        writer_s = store_exec_s + round_trips * (store_rtt + store_s_per_round_trip)
     store writes      = groups_per_s * (store_writes_per_group + audit_fraction * store_writes_per_audited_group
                         with the verifier pool), carried by group commit in at most 1 / store_commit_s
                         durable transactions/s
@@ -19,6 +21,7 @@ generate them; every other part must carry that rate:
                         groups with k > s_max are refused as stale
     held groups/s     = min(offered,
                             edges: (edges - heartbeat cores) / edge_s_per_group   (one core per edge: the GIL),
+                            edge writers: (edges - heartbeat writers) / writer_s_per_group   (one connection each),
                             host:  (cores - heartbeat cores) / (edge_s_per_group + the CPU per group of every
                                    part co-located with the edges: store, CPU verifier, other load),
                             store: store_writes_per_commit_max / store_commit_s / writes per group,
@@ -78,6 +81,25 @@ DEFAULT_COSTS: dict[str, UnitCost] = {
         0.0013, "CPU s of the store server (PostgreSQL, all its processes) per accepted group and its lease",
         "benchmarks/scale.py scale_out: the postmaster's process tree, 1.2-1.4 ms per 8x64 group with 1 or 2 edges "
         "(fsync off); counts only where --colocate store puts it on the edges' cores", True),
+    "store_round_trips_per_group": UnitCost(
+        3.4, "round trips an edge's writer connection makes per accepted group and its lease",
+        "pg_stat_statements under one PostgreSQL edge (benchmarks/intake.py's clients): the request's nonce, the "
+        "accept and the lease (one statement each, in one transaction: Database.run_chain), and BEGIN and COMMIT "
+        "shared by a batch (0.2 each per group)", True),
+    "store_round_trips_per_heartbeat": UnitCost(
+        2, "round trips an edge's writer connection makes per Heartbeat", "store.py: the nonce, the node's touch",
+        True),
+    "store_exec_s_per_group": UnitCost(
+        0.0005, "s PostgreSQL executes an edge's writer statements per accepted group and its lease",
+        "pg_stat_statements under one PostgreSQL edge: accept 273 us, lease 198 us, nonce 34 us per group", True),
+    "store_exec_s_per_heartbeat": UnitCost(
+        7e-5, "s PostgreSQL executes an edge's writer statements per Heartbeat",
+        "pg_stat_statements under the 1,000-node fleet: nonce 34-39 us, touch 25-33 us", True),
+    "store_s_per_round_trip": UnitCost(
+        5e-5, "s an edge's writer spends per round trip on its own side: libpq's send and receive and taking the "
+              "GIL back from the event loop (the network's time is --store-rtt-ms)",
+        "assumption from py-spy of one PostgreSQL edge's writer thread (docs/scaling.md): tens of us per statement "
+        "waiting for the GIL on return", False),
     "store_writes_per_commit_max": UnitCost(
         512, "writes one group commit carries at most", "store.py: the writer's MAX_BATCH", True),
     "store_commit_s": UnitCost(
@@ -135,6 +157,7 @@ class Workload:
     deltas: bool = True
     verifier_device: str = "gpu"
     verifier_pool: bool = False  # audited groups go through the store to verifier processes (several edges)
+    store_rtt_s: float = 0.0  # network round trip from an edge to the store (0: on the edges' host)
     utilization: float = 0.8
 
 
@@ -204,8 +227,10 @@ def validate(w: Workload, costs: dict[str, UnitCost]) -> None:
     _require(math.isfinite(w.prompt_tokens) and w.prompt_tokens >= 0, f"--prompt-tokens must be >= 0, got {w.prompt_tokens!r}")
     _require(0.0 <= w.audit_fraction <= 1.0, f"--audit-fraction must be within [0, 1], got {w.audit_fraction!r}")
     _require(0.0 < w.utilization <= 1.0, f"--utilization must be within (0, 1], got {w.utilization!r}")
+    _require(math.isfinite(w.store_rtt_s) and w.store_rtt_s >= 0, f"--store-rtt-ms must be >= 0, got {w.store_rtt_s * 1000!r}")
     _require(w.verifier_device in ("gpu", "cpu"), f"--verifier-device must be gpu or cpu, got {w.verifier_device!r}")
     for name in ("edge_s_per_group", "edge_reference_tokens", "store_commit_s", "store_writes_per_commit_max",
+                 "store_round_trips_per_group", "store_exec_s_per_group",
                  "cpu_verify_flops", "gpu_flops",
                  "trainer_flops_per_token_per_param", "node_memory_bandwidth", "bytes_per_param", "shard_bytes",
                  "relay_upload_bytes_per_s", "node_download_bytes_per_s", "relay_fanout"):
@@ -286,6 +311,13 @@ def plan(w: Workload, costs: dict[str, UnitCost] | None = None, machine: Machine
     # Heartbeats scale with the fleet, not with its output.
     heartbeat_cores = w.nodes / w.heartbeat_s * c["edge_s_per_heartbeat"]
     edge_cores = groups_per_s * edge_s + heartbeat_cores
+    # Each edge's one writer connection runs its statements one after another: per group, PostgreSQL's
+    # execution plus a round trip each (the network's and the writer's own hand-off), whatever the CPU.
+    trip_s = w.store_rtt_s + c["store_s_per_round_trip"]
+    writer_s = c["store_exec_s_per_group"] + c["store_round_trips_per_group"] * trip_s
+    writer_s_per_heartbeat = c["store_exec_s_per_heartbeat"] + c["store_round_trips_per_heartbeat"] * trip_s
+    heartbeat_writers = w.nodes / w.heartbeat_s * writer_s_per_heartbeat
+    writers_busy = groups_per_s * writer_s + heartbeat_writers
     pool_writes_per_s = groups_per_s * w.audit_fraction * c["store_writes_per_audited_group"] if w.verifier_pool else 0.0
     writes_per_s = groups_per_s * c["store_writes_per_group"] + pool_writes_per_s
     # Group commit: one durable commit at a time, each carrying every write that arrived meanwhile.
@@ -306,7 +338,8 @@ def plan(w: Workload, costs: dict[str, UnitCost] | None = None, machine: Machine
     def devices(busy: float) -> int:
         return max(1, math.ceil(busy / w.utilization - 1e-9))
 
-    edges = machine.edges or devices(edge_cores)
+    edge_processes = max(devices(edge_cores), devices(writers_busy))
+    edges = machine.edges or edge_processes
     verify_s_per_group = prefill_tokens * w.audit_fraction * verify_s_per_token
     # CPU per accepted group of everything on the edges' host; the heartbeats take their cores first.
     host_s = edge_s + machine.colocated_cpu_s_per_group
@@ -318,6 +351,7 @@ def plan(w: Workload, costs: dict[str, UnitCost] | None = None, machine: Machine
         "fleet": groups_per_s,
         # One Python process runs Python on one core at a time: an edge holds at most a core's worth.
         "edge_main_threads": max(0.0, edges - heartbeat_cores) / edge_s,
+        "edge_writers": max(0.0, edges - heartbeat_writers) / writer_s,
         "host_cpu": None if machine.cores is None else max(0.0, machine.cores - heartbeat_cores) / host_s,
         "store_writes": c["store_writes_per_commit_max"] / c["store_commit_s"] / (writes_per_s / groups_per_s),
         "verifier": (machine.verifier_devices / verify_s_per_group
@@ -333,7 +367,9 @@ def plan(w: Workload, costs: dict[str, UnitCost] | None = None, machine: Machine
         "node_tokens_per_s": node_tok_s,
         "generation_s_per_group": generation_s,
         "edge_cpu_s_per_group": edge_s,
-        "edge_processes": devices(edge_cores),
+        "edge_processes": edge_processes,
+        "edge_writer_s_per_group": writer_s,
+        "edge_writers_busy": writers_busy,
         # What one edge process holds when it alone serves the fleet: its core less the heartbeats.
         "groups_per_s_one_edge": max(0.0, 1.0 - heartbeat_cores) / edge_s,
         "heartbeat_cores": heartbeat_cores,
@@ -363,6 +399,7 @@ def plan(w: Workload, costs: dict[str, UnitCost] | None = None, machine: Machine
         # Cores the edges' host is busy at the offered rate, co-located parts included.
         "host_cores_busy": groups_per_s * host_s + heartbeat_cores,
         "groups_per_s_edges": bounds["edge_main_threads"],
+        "groups_per_s_edge_writers": bounds["edge_writers"],
         "groups_per_s_host": bounds["host_cpu"],
         "groups_per_s_store": bounds["store_writes"],
         "groups_per_s_verifier": bounds["verifier"],
@@ -374,6 +411,7 @@ def plan(w: Workload, costs: dict[str, UnitCost] | None = None, machine: Machine
 BOTTLENECK_WORDS = {
     "fleet": "the fleet's own rate: every part keeps up",
     "edge_main_threads": "the edges' event-loop threads (one core each)",
+    "edge_writers": "the edges' store writers (one connection each, a round trip per statement)",
     "host_cpu": "the CPU of the host the edges share",
     "store_writes": "the store's durable writes",
     "verifier": "the verifier devices",
@@ -399,7 +437,9 @@ def render(w: Workload, p: dict, costs: dict[str, UnitCost], machine: Machine | 
         + ("" if p["weights_fit_node_gpu"] else "; the weights do not fit one volunteer GPU: nodes need a "
            "quantized or multi-GPU engine, and --node-tokens-per-s should say what they reach"),
         f"edge processes: {p['edge_processes']} ({p['edge_cpu_s_per_group'] * 1000:.1f} ms CPU per group, "
-        f"{p['heartbeat_cores']:.2f} cores of heartbeats, {w.utilization:.0%} target utilization)",
+        f"{p['heartbeat_cores']:.2f} cores of heartbeats, {w.utilization:.0%} target utilization; their store "
+        f"writers {p['edge_writer_s_per_group'] * 1000:.2f} ms per group at {w.store_rtt_s * 1000:g} ms to the store, "
+        f"{p['edge_writers_busy']:.2f} writers busy)",
         f"store: {p['store_writes_per_s']:.1f} writes/s"
         + (f" ({p['store_pool_writes_per_s']:.1f} of them the verifier pool's)" if w.verifier_pool else "")
         + f" in {p['store_commits_per_s']:.1f} transactions/s with group commit ({p['store_writes_per_commit']:.1f} "
@@ -414,7 +454,8 @@ def render(w: Workload, p: dict, costs: dict[str, UnitCost], machine: Machine | 
         f"per group): {stale}; mean {p['mean_staleness']:.2f}; {p['stale_refused_share']:.0%} refused as stale "
         f"(s_max {w.s_max})",
         f"held: {p['predicted_groups_per_s']:.1f} groups/s with {p['edges_deployed']} edge processes, set by "
-        f"{BOTTLENECK_WORDS[p['bottleneck']]} (edges {p['groups_per_s_edges']:.1f}/s; host: {host}; store "
+        f"{BOTTLENECK_WORDS[p['bottleneck']]} (edges {p['groups_per_s_edges']:.1f}/s, their writers "
+        f"{p['groups_per_s_edge_writers']:.0f}/s; host: {host}; store "
         f"{p['groups_per_s_store']:.0f}/s{verifier})",
         "assumed, not measured here: " + ", ".join(n for n, c in costs.items() if not c.measured),
     ]
@@ -427,7 +468,7 @@ def cmd_plan(args) -> int:
                  node_tokens_per_s=args.node_tokens_per_s, publish_every_s=args.publish_every_s,
                  heartbeat_s=args.heartbeat_s, s_max=args.s_max,
                  deltas=not args.no_deltas, verifier_device=args.verifier_device, verifier_pool=args.verifier_pool,
-                 utilization=args.utilization)
+                 utilization=args.utilization, store_rtt_s=args.store_rtt_ms / 1000)
     machine = Machine(edges=args.edges, cores=args.cores,
                       colocated=tuple(part.strip() for part in args.colocate.split(",") if part.strip()),
                       colocated_cpu_s_per_group=args.colocated_cpu_s_per_group,
@@ -465,6 +506,8 @@ def register(subparsers) -> None:
     p.add_argument("--verifier-pool", action="store_true", help="audited groups reach verifier processes through the "
                                                                 "store (role verifier): count its writes")
     p.add_argument("--utilization", type=float, default=0.8, help="target busy share of every process and device")
+    p.add_argument("--store-rtt-ms", type=float, default=0.0,
+                   help="network round trip from an edge to PostgreSQL (default 0: on the edges' host)")
     p.add_argument("--edges", type=int, default=None,
                    help="edge processes deployed (default: as many as planned); sets what the deployment holds")
     p.add_argument("--cores", type=float, default=None,

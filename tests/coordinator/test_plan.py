@@ -70,6 +70,30 @@ def test_plan_counts_edges_store_and_verifiers_by_hand():
     assert p["verifier_devices"] == 7
 
 
+def test_store_writers_far_from_the_store_need_edges_of_their_own_and_can_set_the_held_rate(capsys):
+    """Each edge's one writer connection runs a round trip per statement: with PostgreSQL a network hop away,
+    its wall time per group, not the edge's CPU, can decide how many edges the fleet needs."""
+    costs = costs_with(edge_s_per_group=0.002, edge_reference_tokens=100, store_exec_s_per_group=0.001,
+                       store_round_trips_per_group=3, store_s_per_round_trip=0.0, edge_s_per_heartbeat=0.0,
+                       store_exec_s_per_heartbeat=0.0, store_round_trips_per_heartbeat=1)
+    near = plan(small_workload(), costs)  # 100 groups/s: writers 1 ms per group, CPU 2 ms per group
+    assert near["edge_writer_s_per_group"] == pytest.approx(0.001)
+    assert near["edge_processes"] == 1 and near["bottleneck"] == "fleet"  # 0.2 cores, 0.1 writers busy
+    far = plan(small_workload(store_rtt_s=0.003), costs)  # 1 + 3 * 3 = 10 ms per group, plus heartbeats
+    heartbeats = 100 / 10.0 * 0.003  # 10 heartbeats/s, one 3 ms round trip each
+    assert far["edge_writer_s_per_group"] == pytest.approx(0.010)
+    assert far["edge_writers_busy"] == pytest.approx(100 * 0.010 + heartbeats)
+    assert far["edge_processes"] == 2  # 1.03 writers busy, at 80%
+    one = plan(small_workload(store_rtt_s=0.003), costs, Machine(edges=1))
+    assert one["bottleneck"] == "edge_writers"
+    assert one["predicted_groups_per_s"] == pytest.approx((1 - heartbeats) / 0.010)
+    assert main(["plan", "--model-params", "1e11", "--nodes", "100", "--tokens-per-sample", "25", "--group-size",
+                 "4", "--node-tokens-per-s", "100", "--store-rtt-ms", "3", "--edges", "1"]) == 0
+    assert "set by the edges' store writers" in capsys.readouterr().out
+    with pytest.raises(PlanError, match="--store-rtt-ms"):
+        plan(small_workload(store_rtt_s=-0.001), costs)
+
+
 def test_group_commit_shares_one_commit_among_waiting_writes():
     p = plan(small_workload(), costs_with(store_commit_s=0.01))
     assert p["store_commits_per_s"] == pytest.approx(100.0)
