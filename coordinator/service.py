@@ -326,7 +326,10 @@ class CoordinatorService:
         elif error is not None:
             answer = self._lease_failure(error)
         else:
-            answer = planned[0].answer(result)
+            try:
+                answer = planned[0].answer(result)
+            except Exception as exc:  # noqa: BLE001 - the group is committed: said in the lease answer
+                answer = self._lease_failure(exc)
         resp.next_leases.CopyFrom(answer)
         return resp
 
