@@ -61,6 +61,7 @@ def main() -> int:
             error = (predicted - measured) / measured if measured else None
             points.append({"nodes": n, "predicted_groups_per_s": round(predicted, 1),
                            "bottleneck": planned and planned["bottleneck"], "other_cores": s["other_cores"],
+                           "steal_cores": s["steal_cores"],
                            "measured_groups_per_s": measured, "error": round(error, 3) if error is not None else None,
                            "coordinator_cores": s["coordinator"]["cpu_cores"],
                            "cpu_ms_per_group": s["coordinator"]["cpu_ms_per_group"], "load_avg": s["load_avg"]})

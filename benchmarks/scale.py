@@ -376,6 +376,14 @@ def machine_busy_s() -> float:
     return t.user + t.nice + t.system + getattr(t, "irq", 0.0) + getattr(t, "softirq", 0.0)
 
 
+def machine_steal_s() -> float:
+    """CPU seconds the hypervisor has given this machine's cores to another machine so far (Linux's steal
+    time; 0 where it is not reported): cores this machine wanted and could not use."""
+    import psutil
+
+    return getattr(psutil.cpu_times(), "steal", 0.0)
+
+
 def run_scale(nodes: int, args, root: Path, *, database: str | None = None, edges: int = 1,
               store_pid: int | None = None, label: str = "") -> dict:
     """One fresh deployment, ``nodes`` simulated nodes, one measurement window.
@@ -431,9 +439,9 @@ def run_scale(nodes: int, args, root: Path, *, database: str | None = None, edge
         cpu_a = [thread_cpu(pid) for pid in pids]
         srv_a = [server_seconds(port) for port in http_ports]
         store_a = process_tree_cpu(store_pid) if store_pid else {}
-        busy_a = machine_busy_s()
+        busy_a, steal_a = machine_busy_s(), machine_steal_s()
         time.sleep(max(0.0, spec["measure_to"] - time.time()))
-        busy_b = machine_busy_s()
+        busy_b, steal_b = machine_busy_s(), machine_steal_s()
         cpu_b = [thread_cpu(pid) for pid in pids]
         srv_b = [server_seconds(port) for port in http_ports]
         store_b = process_tree_cpu(store_pid) if store_pid else {}
@@ -473,6 +481,8 @@ def run_scale(nodes: int, args, root: Path, *, database: str | None = None, edge
     # loopback network work not charged to a process, this driver. They are not the deployment's to use.
     ours = cpu[0] + store_s + figures["client_cpu_cores"] * args.measure_s
     figures["other_cores"] = round(max(0.0, busy_b - busy_a - ours) / args.measure_s, 2)
+    # Cores the hypervisor took (a VM's noisy neighbours): not there for anyone on this machine.
+    figures["steal_cores"] = round(max(0.0, steal_b - steal_a) / args.measure_s, 2)
     return figures
 
 
@@ -676,8 +686,8 @@ def deployment_plan(s: dict, args, edges: int, commit_ms: float, *, cores: float
 
 
 def cores_left(s: dict) -> float:
-    """This machine's cores less what other processes took during run ``s``'s window."""
-    return os.cpu_count() - s["other_cores"]
+    """This machine's cores less what other processes and the hypervisor (steal) took during run ``s``'s window."""
+    return os.cpu_count() - s["other_cores"] - s.get("steal_cores", 0.0)
 
 
 def predicted_from(source: dict, target: dict, args, edges: int, commit_ms: float) -> dict:
@@ -687,7 +697,8 @@ def predicted_from(source: dict, target: dict, args, edges: int, commit_ms: floa
     target's conditions; the CPU per group of the edges, clients and PostgreSQL are the source's. (The
     edges' cost per group carries the source's heartbeats per group.)
     """
-    conditions = dict(source, nodes=target["nodes"], other_cores=target["other_cores"])
+    conditions = dict(source, nodes=target["nodes"], other_cores=target["other_cores"],
+                      steal_cores=target.get("steal_cores", 0.0))
     planned = deployment_plan(conditions, args, edges, commit_ms, cores=cores_left(target))["predicted_groups_per_s"]
     measured = target["submissions_per_s"]
     return {"predicted_groups_per_s": round(planned, 1),
@@ -709,6 +720,7 @@ def deployment_figures(s: dict, args, edges: int, commit_ms: float) -> dict:
         "unfinished_nodes": s["unfinished_nodes"],
         "edge_cores": c["cpu_cores"], "edge_main_thread_cores": c["main_thread_cores"],
         "client_cores": s["client_cpu_cores"], "store_cores": store_cores, "other_cores": s["other_cores"],
+        "steal_cores": s.get("steal_cores", 0.0),
         # CPU per accepted group, by who spends it.
         "edge_ms_per_group": c["cpu_ms_per_group"],
         "client_ms_per_group": round(s["client_cpu_cores"] / accepted * 1000, 2) if accepted else None,
@@ -877,7 +889,8 @@ def main() -> int:
                       f"{run.get('predicted_idle_machine_groups_per_s')}, a core per edge "
                       f"{run.get('predicted_dedicated_groups_per_s')}), {run['held_fraction']:.0%} of offered, "
                       f"submit p99 {run['submit_p99_ms']} ms | cores: edges {run['edge_cores']}, clients "
-                      f"{run['client_cores']}, store {run['store_cores']}, other {run['other_cores']} | "
+                      f"{run['client_cores']}, store {run['store_cores']}, other {run['other_cores']}, stolen by the "
+                      f"hypervisor {run['steal_cores']} | "
                       f"load {run['load_avg']}", flush=True)
                 if "out_of_sample" in run:
                     o = run["out_of_sample"]

@@ -368,3 +368,8 @@ def test_the_scale_benchmark_predicts_from_the_unit_costs_of_its_own_run(monkeyp
     other = dict(run, nodes=900, submissions_per_s=150.0, other_cores=0.8)
     assert scale.predicted_from(run, other, args, 2, 4.0) == {"predicted_groups_per_s": 150.0,
                                                             "predicted_ratio": 1.0}
+    # Cores the hypervisor took (steal) are gone as other tenants' are: the same 1.2 cores left.
+    stolen = dict(run, nodes=900, submissions_per_s=150.0, other_cores=0.3, steal_cores=0.5)
+    assert scale.cores_left(stolen) == pytest.approx(1.2)
+    assert scale.predicted_from(run, stolen, args, 2, 4.0) == {"predicted_groups_per_s": 150.0,
+                                                             "predicted_ratio": 1.0}
