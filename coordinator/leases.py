@@ -153,6 +153,13 @@ class LeaseDesk:
         # Everything that needs no state is drawn here, so the serialized writer only reads and writes.
         fresh = [(secrets.token_hex(12), random_seeds(lc.group_size)) for _ in range(wanted)]
 
+        def record(lease_id: str, seeds: list[int], prompt_id: int) -> st.LeaseRecord:
+            return st.LeaseRecord(
+                lease_id=lease_id, node_id=node.node_id, prompt_id=prompt_id, group_size=lc.group_size,
+                temperature=lc.temperature, max_new_tokens=lc.max_new_tokens, seeds=tuple(seeds),
+                stop_token_ids=tuple(self.stop_token_ids), policy_version=lease_version, issued_ms=now,
+                deadline_ms=deadline, state=st.LeaseState.OPEN, probation=probation)
+
         def op(conn):
             # Housekeeping expires leases every second; a lease op does too, at most every EXPIRE_EVERY_MS,
             # so that a node's lapsed leases free its slots promptly without a scan per lease.
@@ -162,12 +169,8 @@ class LeaseDesk:
             if wanted == 1 and not probation:
                 # The common case (a trusted node asking for its next lease) in one store operation.
                 lease_id, seeds = fresh[0]
-                one = st.lease_one(conn, st.LeaseRecord(
-                    lease_id=lease_id, node_id=node.node_id, prompt_id=0, group_size=lc.group_size,
-                    temperature=lc.temperature, max_new_tokens=lc.max_new_tokens, seeds=tuple(seeds),
-                    stop_token_ids=tuple(self.stop_token_ids), policy_version=lease_version, issued_ms=now,
-                    deadline_ms=deadline, state=st.LeaseState.OPEN), self._next_prompt,
-                    queue_max=lc.queue_maxsize, max_open=max_open)
+                one = st.lease_one(conn, record(lease_id, seeds, 0), self._next_prompt,
+                                   queue_max=lc.queue_maxsize, max_open=max_open)
                 if one.leftover is not None:
                     self._spare = one.leftover
                 if one.prompt_id is not None:
@@ -189,11 +192,7 @@ class LeaseDesk:
             for lease_id, seeds in fresh[:k]:
                 # A prompt back in the pool (its lease expired or was spent) goes first, else a new one.
                 prompt_id, ids, env = st.take_pending_prompt(conn) or self._draw_prompt(conn)
-                st.insert_lease(conn, st.LeaseRecord(
-                    lease_id=lease_id, node_id=node.node_id, prompt_id=prompt_id, group_size=lc.group_size,
-                    temperature=lc.temperature, max_new_tokens=lc.max_new_tokens, seeds=tuple(seeds),
-                    stop_token_ids=tuple(self.stop_token_ids), policy_version=lease_version, issued_ms=now,
-                    deadline_ms=deadline, state=st.LeaseState.OPEN, probation=probation))
+                st.insert_lease(conn, record(lease_id, seeds, prompt_id))
                 issued.append((lease_id, ids, env, seeds))
             return issued, expired, ""
 

@@ -1094,18 +1094,15 @@ def accept_group(conn: sqlite3.Connection, group: AcceptedGroup, *, probation_gr
     if n != 1:
         return None
     mean_reward = sum(group.rewards) / len(group.rewards) if group.rewards else 0.0
-    inserted, _, _ = execute_together(conn, [
-        ("INSERT INTO groups(lease_id, node_id, prompt_id, env, policy_version, temperature, arrival_ms, content_hash, "
-         "tokens, mean_reward, verified) VALUES(?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) RETURNING group_id",
-         (group.lease_id, group.node_id, group.prompt_id, group.env, group.policy_version, group.temperature,
-          group.arrival_ms, group.content_hash, group.tokens, mean_reward, int(group.verified))),
-        ("UPDATE prompts SET state = ? WHERE prompt_id = ?", (PromptState.DONE, group.prompt_id)),
-        _credit_node_statement(group.node_id, group.tokens, clean=group.clean, now_ms=group.arrival_ms,
-                               probation_groups=probation_groups),
-    ])
-    gid = int(inserted.fetchone()[0])
-    # One statement for all samples (a round trip and a statement each cost more than a row on PostgreSQL).
-    if group.samples:
+    gid = int(conn.execute(
+        "INSERT INTO groups(lease_id, node_id, prompt_id, env, policy_version, temperature, arrival_ms, content_hash, "
+        "tokens, mean_reward, verified) VALUES(?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) RETURNING group_id",
+        (group.lease_id, group.node_id, group.prompt_id, group.env, group.policy_version, group.temperature,
+         group.arrival_ms, group.content_hash, group.tokens, mean_reward, int(group.verified))).fetchone()[0])
+    conn.execute("UPDATE prompts SET state = ? WHERE prompt_id = ?", (PromptState.DONE, group.prompt_id))
+    conn.execute(*_credit_node_statement(group.node_id, group.tokens, clean=group.clean, now_ms=group.arrival_ms,
+                                         probation_groups=probation_groups))
+    if group.samples:  # one statement for all samples
         conn.execute(_insert_samples_sql(len(group.samples)),
                      [v for i, (tok, lp, trusted, finish) in enumerate(group.samples)
                       for v in (gid, i, tok, lp, trusted, group.rewards[i], finish)])
@@ -1144,15 +1141,10 @@ def _accept_group_pg(conn, group: AcceptedGroup, *, probation_groups: int) -> in
     return None if row is None else int(row[0])
 
 
-def credit_node(conn: sqlite3.Connection, node_id: str, tokens: int, *, clean: bool, now_ms: int,
-                probation_groups: int) -> None:
-    """Credit an accepted group; ``probation_groups`` clean groups since the last strike make a node trusted."""
-    conn.execute(*_credit_node_statement(node_id, tokens, clean=clean, now_ms=now_ms,
-                                         probation_groups=probation_groups))
-
-
 def _credit_node_statement(node_id: str, tokens: int, *, clean: bool, now_ms: int,
                            probation_groups: int) -> tuple[str, tuple]:
+    """The UPDATE crediting an accepted group; ``probation_groups`` clean groups since the last strike make a
+    node trusted."""
     # SET expressions see the row before the update: clean_groups + ? is the new count.
     return ("UPDATE nodes SET accepted_groups = accepted_groups + 1, accepted_tokens = accepted_tokens + ?, "
             "clean_groups = clean_groups + ?, last_seen_ms = ?, standing = CASE WHEN standing = ? "
