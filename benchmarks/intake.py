@@ -8,6 +8,8 @@ per group, is measured too, against an echo of those two calls. The coordinator 
 the SQLite store and group commit; the echo server likewise with TLS. Clients run in one process, apart
 from both servers; each intake client signs every request and builds its group's samples once (the
 echo client sends prebuilt bytes), since what a node spends generating a group is no part of intake.
+The coordinator, the echo server and the clients run on the same kind of event loop (``--event-loop``,
+default ``auto``: uvloop where it is installed, as the coordinator's ``server.event_loop``).
 
 Prints one JSON line last: intake_groups_per_s, echo_per_s, ratio (totals over all rounds), ratio_median
 (of the rounds' ratios: on a shared machine one round can catch a burst of someone else's load),
@@ -35,9 +37,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from scale import PROVEN_FLEET
 
+from veriroll.coordinator.event_loop import EVENT_LOOPS, loop_runner
+
 ECHO_SERVER = r'''
 import asyncio, sys, grpc
-async def main(cert, key, port_file, lease_size):
+from veriroll.coordinator.event_loop import loop_runner
+async def main(cert, key, port_file, lease_size, event_loop):
     server = grpc.aio.server(options=[("grpc.max_receive_message_length", 32 << 20)])
     small = b"\x08\x01" * 8
     leased = bytes(int(lease_size))
@@ -56,7 +61,7 @@ async def main(cert, key, port_file, lease_size):
     await server.start()
     open(port_file, "w").write(str(port))
     await server.wait_for_termination()
-asyncio.run(main(*sys.argv[1:]))
+loop_runner(sys.argv[5])[1](main(*sys.argv[1:]))
 '''
 
 
@@ -172,7 +177,10 @@ def main() -> int:
     ap.add_argument("--clients", type=int, default=32)
     ap.add_argument("--seconds", type=float, default=20.0, help="of each load, over all rounds")
     ap.add_argument("--rounds", type=int, default=2, help="echo and intake take turns this many times")
+    ap.add_argument("--event-loop", default="auto", choices=EVENT_LOOPS,
+                    help="the loop of the coordinator, the echo server and the clients alike (server.event_loop)")
     args = ap.parse_args()
+    loop_name, run, _ = loop_runner(args.event_loop)
     seconds = 8.0 if args.quick else args.seconds
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import torch
@@ -187,7 +195,7 @@ def main() -> int:
         "leases.group_size": 8, "leases.max_new_tokens": 64, "leases.queue_maxsize": 10**9,
         "leases.max_open_per_node": 4, "leases.ttl_s": 600, "server.key_rate_per_s": 1e6, "server.key_burst": 1e6,
         "server.peer_rate_per_s": 1e6, "server.peer_burst": 1e6, "intake.verify": False,
-        **PROVEN_FLEET, "leases.probation_max_open": 4,
+        **PROVEN_FLEET, "leases.probation_max_open": 4, "server.event_loop": args.event_loop,
     })
     ca = (base / "tls" / "ca.crt").read_bytes()
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
@@ -201,7 +209,8 @@ def main() -> int:
     group_example = make_group(lease_example.leases[0], pb).SerializeToString()
     echo_port_file = root / "echo.port"
     echo = subprocess.Popen([sys.executable, "-c", ECHO_SERVER, str(base / "tls" / "server.crt"),
-                             str(base / "tls" / "server.key"), str(echo_port_file), str(len(lease_bytes))], env=env)
+                             str(base / "tls" / "server.key"), str(echo_port_file), str(len(lease_bytes)),
+                             args.event_loop], env=env)
     result: dict = {}
     try:
         for _ in range(600):
@@ -211,8 +220,8 @@ def main() -> int:
         port = json.loads((base / "ports.json").read_text())["grpc"]
         echo_port = int(echo_port_file.read_text())
         # Warm both up, then measure echo and intake back to back.
-        asyncio.run(echo_load(f"127.0.0.1:{echo_port}", ca, 4, 1.0, lease_bytes, group_example))
-        asyncio.run(intake_load(f"127.0.0.1:{port}", ca, 4, 1.0))
+        run(echo_load(f"127.0.0.1:{echo_port}", ca, 4, 1.0, lease_bytes, group_example))
+        run(intake_load(f"127.0.0.1:{port}", ca, 4, 1.0))
         for suffix, lease_in_submit in (("", True), ("_two_calls", False)):
             # Alternate the two loads in rounds so a change in background load hits both alike.
             echo_n = intake_n = 0
@@ -221,11 +230,11 @@ def main() -> int:
             ratios: list[float] = []
             for _ in range(args.rounds):
                 before = cpu_seconds(echo.pid)
-                e = asyncio.run(echo_load(f"127.0.0.1:{echo_port}", ca, args.clients, seconds / args.rounds,
+                e = run(echo_load(f"127.0.0.1:{echo_port}", ca, args.clients, seconds / args.rounds,
                                           lease_bytes, group_example, lease_in_submit=lease_in_submit))
                 echo_cpu += cpu_seconds(echo.pid) - before
                 before = cpu_seconds(coord.pid)
-                n, round_lat = asyncio.run(intake_load(f"127.0.0.1:{port}", ca, args.clients, seconds / args.rounds,
+                n, round_lat = run(intake_load(f"127.0.0.1:{port}", ca, args.clients, seconds / args.rounds,
                                                        lease_in_submit=lease_in_submit))
                 intake_cpu += cpu_seconds(coord.pid) - before
                 echo_n += e
@@ -255,6 +264,7 @@ def main() -> int:
         "seconds": seconds,
         "rounds": args.rounds,
         "group": "8x64 tokens",
+        "event_loop": loop_name,
         "target_ratio": 0.5,
     }
     print(json.dumps(result))

@@ -235,8 +235,10 @@ async def run_nodes(spec: dict) -> dict:
 
 
 def worker_main(spec_json: str) -> int:
+    from veriroll.coordinator.event_loop import loop_runner
+
     spec = json.loads(spec_json)
-    result = asyncio.run(run_nodes(spec))
+    result = loop_runner("auto")[1](run_nodes(spec))  # the coordinators' loop too (server.event_loop = auto)
     sys.stdout.write(json.dumps(result) + "\n")
     return 0
 
@@ -835,6 +837,8 @@ def child_figures(script: str, quick: bool, keys: tuple[str, ...]) -> dict:
 
 
 def main() -> int:
+    from veriroll.coordinator.event_loop import loop_runner
+
     if len(sys.argv) == 3 and sys.argv[1] == "--worker":
         return worker_main(sys.argv[2])
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -923,7 +927,8 @@ def main() -> int:
                    "group": f"{args.group_size}x{args.tokens} tokens", "measure_s": args.measure_s,
                    "client_procs": args.client_procs, "edge_nodes": args.edge_nodes,
                    "edge_think_median_s": args.edge_think_s, "fleet_nodes": args.fleet_nodes,
-                   "cpus": os.cpu_count(), "wall_s": round(time.time() - t_start, 1)},
+                   "cpus": os.cpu_count(), "wall_s": round(time.time() - t_start, 1),
+                   "event_loop": loop_runner("auto")[0]},
     }))
     return 0
 

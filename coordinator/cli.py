@@ -273,13 +273,16 @@ def cmd_run(args) -> int:
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    from veriroll.coordinator.app import CannotListen, DirectoryInUse, serve_forever
+    from veriroll.coordinator.app import CannotListen, DirectoryInUse, load_coordinator_config, serve_forever
+    from veriroll.coordinator.event_loop import loop_runner
 
     _threads(1)
     logging.basicConfig(level=getattr(logging, args.log_level.upper()), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         overrides = [*(args.set or ()), *([f"role={args.role}"] if args.role else [])]
-        return asyncio.run(serve_forever(Path(args.dir), overrides=overrides, stop=stop))
+        name, run, why = loop_runner(load_coordinator_config(Path(args.dir), overrides).server.event_loop)
+        logging.getLogger("veriroll.coordinator").info("event loop: %s (%s)", name, why)
+        return run(serve_forever(Path(args.dir), overrides=overrides, stop=stop))
     except (FileNotFoundError, ConfigError, DirectoryInUse, CannotListen) as exc:
         print(f"coordinator run: {exc}", file=sys.stderr)
         return 2

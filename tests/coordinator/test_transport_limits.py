@@ -371,8 +371,9 @@ def stopped(proc: subprocess.Popen, log: Path) -> int:
         raise AssertionError(f"the coordinator did not stop:\n{log.read_text()}") from None
 
 
-def test_a_stop_signal_during_start_up_ends_the_coordinator_with_status_0(tmp_path):
-    base = make_coordinator_dir(tmp_path)
+@pytest.mark.parametrize("event_loop", ["auto", "asyncio"])
+def test_a_stop_signal_during_start_up_ends_the_coordinator_with_status_0(tmp_path, event_loop):
+    base = make_coordinator_dir(tmp_path, {"server.event_loop": event_loop})
     log = tmp_path / "coordinator.log"
     proc = spawn_coordinator(base, log)
     try:
@@ -386,6 +387,7 @@ def test_a_stop_signal_during_start_up_ends_the_coordinator_with_status_0(tmp_pa
     text = log.read_text()
     assert status == 0, text
     assert "Traceback" not in text
+    assert f"event loop: {'uvloop' if event_loop == 'auto' else 'asyncio'}" in text
 
 
 def shaped_group(lease: pb.Lease) -> pb.SubmitGroupRequest:
@@ -455,6 +457,7 @@ def test_sigterm_while_serving_and_training_exits_0_and_keeps_every_acknowledged
     text = log.read_text()
     assert proc.returncode == 0, text
     assert "Traceback" not in text and "stopped" in text
+    assert "event loop: uvloop" in text  # server.event_loop = 'auto', and uvloop is a dependency here
     db = st.Database(base / "state.db")
     try:
         stored = {r[0] for r in db.run_sync(lambda c: c.execute("SELECT group_id FROM groups").fetchall())}
