@@ -2,9 +2,10 @@
 
 uvloop (libuv) runs the same asyncio code with cheaper loop machinery: scheduling a task step, a
 thread's ``call_soon_threadsafe`` (every store commit answers through one), timers and the selector.
-Measured on this 2-core machine (benchmarks/intake.py's load on one SQLite coordinator, four alternating
-runs): 354-396 -> 412-499 accepted groups/s, 2.49-2.91 -> 2.25-2.62 ms of CPU per group; a bare grpc.aio
-echo goes from ~2,700 to ~3,100 calls/s. ``auto`` takes it where it is installed (it is a dependency on
+Measured on this 2-core machine (benchmarks/intake.py's load on one SQLite coordinator, asyncio and uvloop
+alternating, the clients on asyncio): 354-396 -> 412-499 accepted groups/s in one session of runs, 471-533 ->
+463-617 (means 500 -> 534) in a later one; CPU per group 2.05-2.91 -> 1.76-2.62 ms (-5 to -10% on average).
+A bare insecure grpc.aio echo: ~2,700 -> ~3,100 calls/s. ``auto`` takes it where it is installed (it is a dependency on
 Linux and macOS) and says at start which loop runs.
 """
 
