@@ -7,6 +7,11 @@ alternating, the clients on asyncio): 354-396 -> 412-499 accepted groups/s in on
 463-617 (means 500 -> 534) in a later one; CPU per group 2.05-2.91 -> 1.76-2.62 ms (-5 to -10% on average).
 A bare insecure grpc.aio echo: ~2,700 -> ~3,100 calls/s. ``auto`` takes it where it is installed (it is a dependency on
 Linux and macOS) and says at start which loop runs.
+
+Seen with uvloop 0.23: once it has run in a process, one write of more than a pipe's 64 KiB to stdout can
+come back short and ``sys.stdout.write`` drops the rest without an error. The coordinator writes log
+lines, far below that; a process that hands a large result to its parent over a pipe writes it with
+``os.write`` until all is out (benchmarks/scale.py's client processes).
 """
 
 from __future__ import annotations
