@@ -50,9 +50,9 @@ class ServerConfig(_Section):
                              "processes on one host share them (the kernel spreads connections); role 'edge' sets it")
     body_timeout_s: float = Field(10.0, gt=0, description="a gRPC call's request body must arrive within this after its "
                                   "headers (it is read only once the address has a free slot and the call a deadline)")
-    event_loop: str = Field("auto", description="the event loop the process serves on: 'uvloop' (libuv; ~15-25% more "
-                            "requests per core), 'asyncio' (the standard library's), or 'auto': uvloop where it is "
-                            "installed. Logged at start")
+    event_loop: str = Field("auto", description="the event loop the process serves on: 'uvloop' (libuv; 5-10% less CPU "
+                            "per request measured, coordinator/event_loop.py), 'asyncio' (the standard library's), or "
+                            "'auto': uvloop where it is installed. Logged at start")
     min_node_version: str = Field(SOFTWARE_VERSION, description="oldest node release (its Register's software_version, "
                                   "PEP 440) accepted; older ones are refused node_too_old with the upgrade command. "
                                   "Default: the coordinator's own release; empty: any")
