@@ -11,6 +11,7 @@ made from another process (the operator's CLI writes the database) takes effect 
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections import OrderedDict
 from collections.abc import Callable
@@ -181,9 +182,18 @@ class Ledger:
 
     async def refuse(self, node_id: str, reason: Reason, detail: str = "", lease_id: str = "",
                      also: Callable | None = None, *, log_event: bool = True) -> None:
-        """Record one refusal, durably, then count it in the metrics."""
-        banned_at = await self.db.run(self.refusal_op(node_id, reason, detail, lease_id, also, log_event=log_event))
-        self.counted(node_id, reason, banned_at)
+        """Record one refusal, durably, then count it in the metrics: counted once committed even when the
+        caller is cancelled meanwhile (gRPC ends a call it refused itself, an over-size body, while its handler
+        is still recording the refusal), so the store and the metric never disagree."""
+        stored = asyncio.ensure_future(self.db.run(self.refusal_op(node_id, reason, detail, lease_id, also,
+                                                                   log_event=log_event)))
+
+        def count(done: asyncio.Future) -> None:  # before the caller resumes: callbacks run in order
+            if not done.cancelled() and done.exception() is None:
+                self.counted(node_id, reason, done.result())
+
+        stored.add_done_callback(count)
+        await asyncio.shield(stored)
 
     def counted(self, node_id: str, reason: Reason, banned_at: int | None = None) -> None:
         """The metric side of a refusal whose store op has committed."""
