@@ -231,11 +231,11 @@ def main() -> int:
             for _ in range(args.rounds):
                 before = cpu_seconds(echo.pid)
                 e = run(echo_load(f"127.0.0.1:{echo_port}", ca, args.clients, seconds / args.rounds,
-                                          lease_bytes, group_example, lease_in_submit=lease_in_submit))
+                                  lease_bytes, group_example, lease_in_submit=lease_in_submit))
                 echo_cpu += cpu_seconds(echo.pid) - before
                 before = cpu_seconds(coord.pid)
                 n, round_lat = run(intake_load(f"127.0.0.1:{port}", ca, args.clients, seconds / args.rounds,
-                                                       lease_in_submit=lease_in_submit))
+                                               lease_in_submit=lease_in_submit))
                 intake_cpu += cpu_seconds(coord.pid) - before
                 echo_n += e
                 intake_n += n

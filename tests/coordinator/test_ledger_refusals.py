@@ -19,9 +19,7 @@ def metric_counts(metrics: CoordinatorMetrics) -> dict[str, float]:
 
 
 def stored_counts(db: st.Database) -> dict[str, int]:
-    rows = db.read(lambda c: c.execute("SELECT reason, SUM(count) FROM rejection_counts GROUP BY reason")
-                   .fetchall()).result()
-    return {reason: int(n) for reason, n in rows}
+    return db.read(st.rejections_by_reason).result()
 
 
 def test_a_refusal_whose_caller_is_cancelled_mid_write_is_still_counted_once_in_both(tmp_path):
