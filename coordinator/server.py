@@ -52,20 +52,27 @@ class _Edge(grpc.GenericRpcHandler):
     def _make(self, name: str):
         svc = self.svc
 
-        async def handle(requests, context: grpc.aio.ServicerContext):
+        async def handle(_requests, context: grpc.aio.ServicerContext):
             start = time.perf_counter()
 
             async def read_body() -> bytes | None:
-                async for body in requests:  # the first message; a unary client sends exactly one
-                    return body
-                return None
+                # The first message (a unary client sends exactly one), read from the context rather than by
+                # iterating the request stream: a stream left suspended after its first message keeps that
+                # message alive until the loop closes it.
+                body = await context.read()
+                return None if body is grpc.aio.EOF else body
 
             try:
-                return await svc.call(name, read_body, context.invocation_metadata(), peer_address(context.peer()),
-                                      has_deadline=context.time_remaining() is not None)
-            except Refusal as refusal:  # counted by the service; here only mapped to a status code
-                context.set_trailing_metadata(((REASON_TRAILER, refusal.reason.value),))
-                await context.abort(refusal.reason.code, f"{refusal.reason.value}: {refusal.detail}")
+                try:
+                    return await svc.call(name, read_body, context.invocation_metadata(),
+                                          peer_address(context.peer()), has_deadline=context.time_remaining() is not None)
+                except Refusal as refusal:  # counted by the service; here only mapped to a status code
+                    reason, detail = refusal.reason, refusal.detail
+                # Aborted outside the except block, so the abort does not chain the refusal: its traceback holds
+                # the frames that served the request, body included, and gRPC keeps the abort in the call's
+                # state, a reference cycle that only a full collection frees (rare in a process this big).
+                context.set_trailing_metadata(((REASON_TRAILER, reason.value),))
+                await context.abort(reason.code, f"{reason.value}: {detail}")
             finally:
                 svc.metrics.request_latency.observe(time.perf_counter() - start, method=name)
 

@@ -18,6 +18,7 @@ import ssl
 import subprocess
 import sys
 import time
+import tracemalloc
 import weakref
 from pathlib import Path
 
@@ -310,6 +311,45 @@ def test_calls_whose_body_never_comes_are_cut_and_cannot_hold_an_address_s_slots
     assert outcomes == [(grpc.StatusCode.INVALID_ARGUMENT, "malformed")] * 2
     assert after.server_time_ms > 0
     assert summary["rejections_by_reason"] == {"rate_limited": 1, "malformed": 2}
+
+
+def test_a_refused_body_is_freed_when_its_call_ends_without_the_cycle_collector(tmp_path):
+    """A refusal used to leave its body in a reference cycle (the abort chained the refusal, whose traceback
+    holds the frames that read the body, and gRPC keeps the abort in the call's state): freed only by a
+    collection of the oldest generation, which a process holding a model runs rarely. With the collector
+    off, refused bodies must not pile up."""
+    base = make_coordinator_dir(tmp_path)
+    size, calls = 256 * 1024, 24
+
+    async def scenario():
+        async with running_coordinator(base) as coord:
+            channel = channel_to(coord)
+            call = channel.unary_unary(full_method("Heartbeat"))
+
+            async def refused(fill: int) -> str | None:
+                try:
+                    await call(bytes([fill]) * size, timeout=20)
+                except grpc.aio.AioRpcError as exc:
+                    return dict(exc.trailing_metadata() or ()).get("x-veriroll-reason")
+                return "accepted"
+
+            await refused(0)  # warm-up: the connection and the first call's allocations
+            gc.collect()
+            gc.disable()
+            tracemalloc.start()
+            try:
+                reasons = [await refused(1 + i) for i in range(calls)]
+                await asyncio.sleep(0.2)  # anything the loop still had queued for these calls has run
+                held = tracemalloc.get_traced_memory()[0]
+            finally:
+                tracemalloc.stop()
+                gc.enable()
+            await channel.close()
+            return reasons, held
+
+    reasons, held = run(scenario())
+    assert reasons == ["unsigned"] * calls
+    assert held < size * calls / 4, f"{held / 2**20:.1f} MiB still held after {calls} refused bodies of {size >> 10} KiB"
 
 
 # --- stopping -------------------------------------------------------------------------------------------
