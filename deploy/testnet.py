@@ -314,6 +314,32 @@ class Testnet:
             "run_dir": str(self.run_dir),
         }
 
+    def versions_live(self) -> dict[str, int]:
+        """The version each honest node runs, from its status file (-1: none yet, or no status file)."""
+        live = {}
+        for p in self.procs:
+            if p.role != "node":
+                continue
+            try:
+                live[p.name] = int(json.loads((self.run_dir / p.name / "status.json").read_text())["loaded_version"])
+            except (OSError, ValueError, KeyError, TypeError):
+                live[p.name] = -1
+        return live
+
+    def settle(self, watch: BroadcastWatch, limit_s: float) -> tuple[int, list[str]]:
+        """Wait (at most ``limit_s``) until every honest node runs the last version published: a run that
+        stopped right after its last step would report nothing of how that version spread. Returns that
+        version and the nodes still behind."""
+        deadline = time.time() + limit_s
+        while True:
+            watch.poll()
+            # Read again each time: the last step's version is published just after the step is recorded.
+            version = int(self.snapshot().get("kv", {}).get("policy_version", 0))
+            behind = sorted(n for n, v in self.versions_live().items() if v < version)
+            if not behind or time.time() >= deadline or self.procs[0].popen.poll() is not None:
+                return version, behind
+            time.sleep(1.0)
+
     def done(self, snap: dict) -> bool:
         kv = snap.get("kv", {})
         if kv.get("trainer_done"):
@@ -452,6 +478,7 @@ def run(cfg: TestnetConfig, run_dir: Path, *, live: bool, as_json: bool, wan: Wa
     status = 1
     snap: dict = {}
     watch: BroadcastWatch | None = None
+    settled: dict = {}
     try:
         if not as_json:
             print(f"starting the testnet in {run_dir} (first start builds version 0: ~10-60 s)", file=sys.stderr)
@@ -482,6 +509,16 @@ def run(cfg: TestnetConfig, run_dir: Path, *, live: bool, as_json: bool, wan: Wa
                 break
             if net.done(snap):
                 status = 0
+                if console_live is None and not as_json:
+                    print(f"training done; waiting up to {cfg.settle_s:.0f}s for the nodes to run the final version",
+                          file=sys.stderr)
+                settle_t0 = time.time()
+                final, behind = net.settle(watch, cfg.settle_s)
+                snap = net.snapshot() or snap
+                settled = {"final_version": final, "settle_s": round(time.time() - settle_t0, 1), "nodes_behind": behind}
+                if behind:
+                    print(f"after {cfg.settle_s:.0f}s, {', '.join(behind)} did not run version {final} yet",
+                          file=sys.stderr)
                 break
             if elapsed > cfg.timeout_s:
                 print(f"timed out after {cfg.timeout_s:.0f}s", file=sys.stderr)
@@ -494,7 +531,7 @@ def run(cfg: TestnetConfig, run_dir: Path, *, live: bool, as_json: bool, wan: Wa
         net.stop()
     if watch is not None:
         watch.poll()  # the versions that arrived in the last second
-    summary = net.summary(snap, time.time() - t0, watch)
+    summary = {**net.summary(snap, time.time() - t0, watch), **settled}
     (run_dir / "metrics.json").write_text(json.dumps({"summary": summary, "trainer_history": snap.get("history", [])}))
     png = plot_rewards(snap.get("history", []), run_dir / "reward_curve.png")
     summary["reward_curve"] = str(png) if png else None
@@ -511,7 +548,7 @@ def run(cfg: TestnetConfig, run_dir: Path, *, live: bool, as_json: bool, wan: Wa
 # versions kept, and versions published every other step so the nodes spend their time generating.
 PRESET_TOPOLOGY: dict[str, dict] = {
     "smollm2-arith": {
-        "honest_nodes": 2, "adversaries": [], "timeout_s": 3600.0, "target_reward": 0.0,
+        "honest_nodes": 2, "adversaries": [], "timeout_s": 3600.0, "target_reward": 0.0, "settle_s": 600.0,
         "relays": [{"name": "relay-1", "upstream": "origin"}],
         "coordinator": {"shardcast.shard_bytes": 32 * 1024 * 1024, "shardcast.keep_versions": 2,
                         "trainer.publish_weights_every": 2, "intake.s_max": 2},

@@ -134,6 +134,47 @@ def test_the_broadcast_watch_times_versions_from_the_ready_markers(tmp_path):
     assert watch.report()["1"] == {"nodes": 2, "to_50pct_s": 2.5, "to_95pct_s": 4.0, "to_100pct_s": 4.0}
 
 
+def test_after_training_the_testnet_waits_for_every_honest_node_to_run_the_final_version(tmp_path):
+    """The run used to stop right after its last step, before any node had the last versions: its broadcast
+    report was empty (seen over the emulated WAN, and with the 135M model no node ran a trained version)."""
+    import threading
+
+    from veriroll.coordinator import store as st
+    from veriroll.deploy.testnet import Proc, Testnet
+    from veriroll.deploy.topology import TestnetConfig
+
+    net = Testnet(TestnetConfig(), tmp_path)
+    net.coord_dir.mkdir(parents=True)
+    db = st.Database(net.coord_dir / "state.db")
+    db.run_sync(lambda c: st.kv_set(c, "policy_version", 2))
+    coordinator = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        net.procs = [Proc("coordinator", coordinator, tmp_path / "c.log", "coordinator")] + [
+            Proc(name, coordinator, tmp_path / f"{name}.log", role) for name, role in
+            (("node-1", "node"), ("node-2", "node"), ("node-3-forged-logprobs", "adversary"))]
+
+        def runs(name: str, version: int) -> None:
+            (tmp_path / name).mkdir(exist_ok=True)
+            (tmp_path / name / "status.json").write_text(json.dumps({"loaded_version": version}))
+
+        runs("node-1", 2)
+        runs("node-2", 1)  # the adversary never reports: it is not waited for
+        watch = BroadcastWatch(net.coord_dir / "shardcast", {})
+        assert net.settle(watch, limit_s=0.0) == (2, ["node-2"])
+        later = threading.Timer(1.5, runs, ("node-2", 2))
+        later.start()
+        assert net.settle(watch, limit_s=30.0) == (2, [])
+        db.run_sync(lambda c: st.kv_set(c, "policy_version", 3))  # published after the last step was recorded
+        assert net.settle(watch, limit_s=0.0) == (3, ["node-1", "node-2"])
+        coordinator.kill()
+        coordinator.wait()
+        assert net.settle(watch, limit_s=30.0) == (3, ["node-1", "node-2"])  # no waiting on a coordinator that is gone
+    finally:
+        coordinator.kill()
+        coordinator.wait()
+        db.close()
+
+
 @pytest.mark.slow
 def test_the_testnet_trains_over_an_emulated_wan_and_reports_the_broadcast(tmp_path):
     veriroll = str(Path(sys.executable).parent / "veriroll")
