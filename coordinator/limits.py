@@ -113,9 +113,9 @@ def release_freed_memory() -> bool:
     Why the collection: an exception's traceback that holds a request handler's frame holds the request
     body with it, in a reference cycle, and a coordinator that goes quiet after a flood allocates too
     little to trigger the collector. The edge no longer makes that cycle for a refusal (the abort does not
-    chain it; see ``server._Edge``), but a cancelled or failed call still can. Why the trim: glibc raises its mmap threshold
-    to the largest block freed so far, so later large bodies come from the heap, and freed heap stays in
-    the process. Measured, 36 unsigned 8 MiB requests: 280 MB still resident 7 s later without these,
+    chain it; see ``server._Edge``), but a cancelled or failed call still can. Why the trim: glibc raises
+    its mmap threshold to the largest block freed so far, so later large bodies come from the heap, and
+    freed heap stays in the process. Measured, 36 unsigned 8 MiB requests: 280 MB still resident 7 s later without these,
     40-55 MB with them. A young collection and a trim with nothing to return cost well under a millisecond
     (a full collection would cost 100-200 ms with a model loaded, hence young generations only).
     """
