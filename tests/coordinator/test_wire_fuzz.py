@@ -38,6 +38,7 @@ from google.protobuf.message import Message
 from support import channel_to, make_coordinator_dir, running_coordinator
 from wire_mutations import Mutation, body_mutations, copy_of, message_mutations
 
+from veriroll.coordinator.limits import release_freed_memory
 from veriroll.node.engines.base import GenerationRequest
 from veriroll.node.engines.torch import TorchEngine
 from veriroll.protos.envelope import (
@@ -60,9 +61,10 @@ GRPC_METADATA_LIMIT = 8192  # gRPC's default soft limit on a request's metadata 
 TRANSPORT_REFUSAL = "grpc:resource_exhausted"  # refused by gRPC itself: no trailer; counted at most once, as malformed
 CALL_TIMEOUT_S = 30.0
 # Slack after the campaign, against the baseline taken after a warm-up pass of the same cases: the allocator
-# keeps some freed arenas (measured: +2 to +4 MiB of RSS a pass, no descriptor), while a leak of the fuzzed
-# bodies (~24 MB sent a pass) or of one descriptor per call (~620 a pass) would exceed both. Refused bodies
-# left in reference cycles (fixed in the edge) showed as +13 to +38 MiB a pass, and 63 MiB once.
+# keeps some freed arenas (measured, after trimming: +0.5 to +9 MiB of RSS a pass, no descriptor), while a
+# leak of the fuzzed bodies (~24 MB sent a pass) or of one descriptor per call (~620 a pass) would exceed both.
+# Refused bodies left in reference cycles (fixed in the edge; test_transport_limits pins it) showed as +13 to
+# +38 MiB a pass, and 63 MiB once.
 RSS_SLACK_MB = 48
 FD_SLACK = 4
 OVERRIDES = {
@@ -252,8 +254,10 @@ class Campaign:
     honest_after: pb.SubmitGroupResponse | None = None
 
     def record_footprint(self) -> None:
-        """RSS and open file descriptors of this process, which hosts the coordinator."""
+        """RSS and open file descriptors of this process, which hosts the coordinator, after what its own
+        housekeeping does every few seconds (freed heap handed back): what stays is what is still held."""
         gc.collect()
+        release_freed_memory()
         self.rss_mb.append(psutil.Process().memory_info().rss / 2**20)
         self.fds.append(len(os.listdir("/proc/self/fd")))
 
