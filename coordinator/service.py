@@ -306,28 +306,28 @@ class CoordinatorService:
                            peer: str = "unknown") -> pb.SubmitGroupResponse:
         if not req.HasField("next_leases"):
             return await self.intake.submit_group(node, req, peer=peer)
-        planned: list[LeaseStep | pb.LeaseResponse] = []
+        planned: LeaseStep | pb.LeaseResponse | None = None
 
         async def plan():
             # Planned once the group passed its checks (as LeaseWork after it would be); its store op runs
             # in the transaction that accepts the group, right after it: one wait on the writer, one commit.
+            nonlocal planned
             try:
-                planned.append(await self.leases.plan(node, req.next_leases, peer=peer))
+                planned = await self.leases.plan(node, req.next_leases, peer=peer)
             except Exception as exc:  # noqa: BLE001 - answered in the lease answer; the group goes on
-                planned.append(self._lease_failure(exc))
-            step = planned[0]
-            return step.op if isinstance(step, LeaseStep) else None
+                planned = self._lease_failure(exc)
+            return planned.op if isinstance(planned, LeaseStep) else None
 
         resp, result, error = await self.intake.submit_group_then(node, req, peer=peer, then=plan)
-        if not planned:  # an honest retry of a group accepted before: lease as LeaseWork would
+        if planned is None:  # an honest retry of a group accepted before: lease as LeaseWork would
             answer = await self._next_leases(node, req.next_leases, peer)
-        elif isinstance(planned[0], pb.LeaseResponse):
-            answer = planned[0]
+        elif isinstance(planned, pb.LeaseResponse):
+            answer = planned
         elif error is not None:
             answer = self._lease_failure(error)
         else:
             try:
-                answer = planned[0].answer(result)
+                answer = planned.answer(result)
             except Exception as exc:  # noqa: BLE001 - the group is committed: said in the lease answer
                 answer = self._lease_failure(exc)
         resp.next_leases.CopyFrom(answer)
