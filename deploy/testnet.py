@@ -314,28 +314,22 @@ class Testnet:
             "run_dir": str(self.run_dir),
         }
 
-    def versions_live(self) -> dict[str, int]:
-        """The version each honest node runs, from its status file (-1: none yet, or no status file)."""
-        live = {}
-        for p in self.procs:
-            if p.role != "node":
-                continue
-            try:
-                live[p.name] = int(json.loads((self.run_dir / p.name / "status.json").read_text())["loaded_version"])
-            except (OSError, ValueError, KeyError, TypeError):
-                live[p.name] = -1
-        return live
-
     def settle(self, watch: BroadcastWatch, limit_s: float) -> tuple[int, list[str]]:
-        """Wait (at most ``limit_s``) until every honest node runs the last version published: a run that
-        stopped right after its last step would report nothing of how that version spread. Returns that
-        version and the nodes still behind."""
+        """Wait (at most ``limit_s``) until every honest node holds the last version published (fetched,
+        checked, ready in its cache): a run that stopped right after its last step would report nothing of
+        how that version spread. Returns that version and the nodes still without it.
+
+        Held, not running: a node swaps a version in for a lease at it, and once training is done the
+        coordinator stops leasing when its queue of groups is full, so a node may hold the last version
+        and never run it."""
         deadline = time.time() + limit_s
+        honest = sorted(p.name for p in self.procs if p.role == "node")
         while True:
             watch.poll()
             # Read again each time: the last step's version is published just after the step is recorded.
             version = int(self.snapshot().get("kv", {}).get("policy_version", 0))
-            behind = sorted(n for n, v in self.versions_live().items() if v < version)
+            held = watch.arrived.get(version, {})
+            behind = [n for n in honest if n not in held]
             if not behind or time.time() >= deadline or self.procs[0].popen.poll() is not None:
                 return version, behind
             time.sleep(1.0)
@@ -510,14 +504,14 @@ def run(cfg: TestnetConfig, run_dir: Path, *, live: bool, as_json: bool, wan: Wa
             if net.done(snap):
                 status = 0
                 if console_live is None and not as_json:
-                    print(f"training done; waiting up to {cfg.settle_s:.0f}s for the nodes to run the final version",
+                    print(f"training done; waiting up to {cfg.settle_s:.0f}s for the nodes to hold the final version",
                           file=sys.stderr)
                 settle_t0 = time.time()
                 final, behind = net.settle(watch, cfg.settle_s)
                 snap = net.snapshot() or snap
                 settled = {"final_version": final, "settle_s": round(time.time() - settle_t0, 1), "nodes_behind": behind}
                 if behind:
-                    print(f"after {cfg.settle_s:.0f}s, {', '.join(behind)} did not run version {final} yet",
+                    print(f"after {cfg.settle_s:.0f}s, {', '.join(behind)} did not hold version {final} yet",
                           file=sys.stderr)
                 break
             if elapsed > cfg.timeout_s:

@@ -28,8 +28,11 @@ def test_smollm2_testnet_trains_steps_with_no_honest_rejection(tmp_path, smollm2
     assert summary["honest_rejected"] == 0, summary["rejections_by_node"]
     assert summary["accepted_groups"] >= 3 * 2  # at least min_groups of the preset per step
     assert summary["policy_version"] >= 1  # a version published (every 2 steps) ...
-    loaded = [json.loads((tmp_path / "run" / n / "status.json").read_text())["loaded_version"] for n in ("node-1", "node-2")]
-    assert max(loaded) >= 1  # ... fetched through the relay (541 MB, signed shards) and made live on a node
+    # ... fetched through the relay (541 MB, signed shards, checked) and held whole by both nodes before the run
+    # ended. (Made live only for a lease at it, which may not come once training is done: not asserted.)
+    final = summary["final_version"]
+    assert final == summary["policy_version"] and summary["nodes_behind"] == []
+    assert summary["broadcast"][str(final)]["nodes"] == 2
     coord = tmp_path / "run" / "coordinator"
     v1 = coord / "checkpoints" / "versions" / "v000001"
     assert (v1 / "chat_template.jinja").exists() and (v1 / "config.json").exists()

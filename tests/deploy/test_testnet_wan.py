@@ -13,6 +13,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -134,9 +135,9 @@ def test_the_broadcast_watch_times_versions_from_the_ready_markers(tmp_path):
     assert watch.report()["1"] == {"nodes": 2, "to_50pct_s": 2.5, "to_95pct_s": 4.0, "to_100pct_s": 4.0}
 
 
-def test_after_training_the_testnet_waits_for_every_honest_node_to_run_the_final_version(tmp_path):
+def test_after_training_the_testnet_waits_for_every_honest_node_to_hold_the_final_version(tmp_path):
     """The run used to stop right after its last step, before any node had the last versions: its broadcast
-    report was empty (seen over the emulated WAN, and with the 135M model no node ran a trained version)."""
+    report was empty (seen over the emulated WAN, and with the 135M model no node had a trained version)."""
     import threading
 
     from veriroll.coordinator import store as st
@@ -148,20 +149,19 @@ def test_after_training_the_testnet_waits_for_every_honest_node_to_run_the_final
     db = st.Database(net.coord_dir / "state.db")
     db.run_sync(lambda c: st.kv_set(c, "policy_version", 2))
     coordinator = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    names = ("node-1", "node-2", "node-3-forged-logprobs")
     try:
         net.procs = [Proc("coordinator", coordinator, tmp_path / "c.log", "coordinator")] + [
-            Proc(name, coordinator, tmp_path / f"{name}.log", role) for name, role in
-            (("node-1", "node"), ("node-2", "node"), ("node-3-forged-logprobs", "adversary"))]
-
-        def runs(name: str, version: int) -> None:
-            (tmp_path / name).mkdir(exist_ok=True)
-            (tmp_path / name / "status.json").write_text(json.dumps({"loaded_version": version}))
-
-        runs("node-1", 2)
-        runs("node-2", 1)  # the adversary never reports: it is not waited for
-        watch = BroadcastWatch(net.coord_dir / "shardcast", {})
-        assert net.settle(watch, limit_s=0.0) == (2, ["node-2"])
-        later = threading.Timer(1.5, runs, ("node-2", 2))
+            Proc(name, coordinator, tmp_path / f"{name}.log", "adversary" if "forged" in name else "node")
+            for name in names]
+        for name in names:
+            (tmp_path / name / "cache").mkdir(parents=True)
+        watch = net.broadcast_watch()
+        make_ready(net.coord_dir / "shardcast", "v000002", time.time())
+        make_ready(tmp_path / "node-1" / "cache" / "0123abcd", "v000002", time.time())  # a folder per coordinator key
+        make_ready(tmp_path / "node-2" / "cache", "v000001", time.time())  # an older one: still behind
+        assert net.settle(watch, limit_s=0.0) == (2, ["node-2"])  # the adversary is not waited for
+        later = threading.Timer(1.5, make_ready, (tmp_path / "node-2" / "cache", "v000002", time.time()))
         later.start()
         assert net.settle(watch, limit_s=30.0) == (2, [])
         db.run_sync(lambda c: st.kv_set(c, "policy_version", 3))  # published after the last step was recorded
