@@ -47,6 +47,8 @@ GOODBYE_S = 2.0  # the last heartbeat's deadline, when stopping
 # Refusals that end a running node: waiting does not change them, and working on would be wasted.
 FATAL_REFUSALS = {"banned": 3, "key_in_use": 2, "node_too_old": 2}
 
+IDLE_SWAP_DEADLINE_MS = 60_000  # a version the node holds is live well within this; _engine_for needs a deadline
+
 RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED,
              grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN, grpc.StatusCode.CANCELLED}
 
@@ -422,6 +424,23 @@ class NodeAgent:
         log.info("policy version %d is live", version)
         return self.engine
 
+    async def _swap_in_newest_held(self) -> None:
+        """While the coordinator has no work for this node, make the newest version live if the node holds it
+        already (the heartbeat fetches it): the next lease at it then starts at once instead of after the
+        swap, and a node told to wait does not sit on an old version. Nothing is fetched or waited for here;
+        a swap that fails is logged and left to the next lease, which swaps (and reports) as before."""
+        if self.engine is None or self.policy is None or self.stopping.is_set():
+            return
+        newest = self.policy.version
+        if self.engine.version == newest or newest not in self.versions.available():
+            return
+        try:
+            await self._engine_for(newest, int(time.time() * 1000) + IDLE_SWAP_DEADLINE_MS)
+        except (Stopped, asyncio.CancelledError):
+            raise
+        except Exception as exc:  # noqa: BLE001 - an early swap is an optimisation; the lease path swaps again
+            log.warning("could not make version %d live while idle (the next lease at it tries again): %s", newest, exc)
+
     def _window_versions(self) -> list[int]:
         if self.policy is None:
             return []
@@ -461,6 +480,7 @@ class NodeAgent:
                     continue
                 self.status.note_ok()
                 if not resp.leases:
+                    await self._swap_in_newest_held()
                     await self._sleep(max(0.05, resp.retry_after_ms / 1000))
                     continue
                 for i, lease in enumerate(resp.leases):
