@@ -436,7 +436,7 @@ class NodeAgent:
             return
         try:
             await self._engine_for(newest, int(time.time() * 1000) + IDLE_SWAP_DEADLINE_MS)
-        except (Stopped, asyncio.CancelledError):
+        except Stopped:
             raise
         except Exception as exc:  # noqa: BLE001 - an early swap is an optimisation; the lease path swaps again
             log.warning("could not make version %d live while idle (the next lease at it tries again): %s", newest, exc)
