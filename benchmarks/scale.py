@@ -261,16 +261,25 @@ def thread_cpu(pid: int) -> tuple[float, float]:
     return total, main
 
 
-def server_seconds(http_port: int) -> dict[str, tuple[float, float]]:
-    """method -> (sum of server seconds, count) from the coordinator's /metrics."""
+WRITER_SERIES = {"wall_s": 'veriroll_store_writer_seconds_total{clock="wall"}',
+                 "cpu_s": 'veriroll_store_writer_seconds_total{clock="cpu"}',
+                 "ops": "veriroll_store_writer_ops_total", "batches": "veriroll_store_writer_batches_total",
+                 "round_trips": "veriroll_store_round_trips_total"}
+
+
+def server_seconds(http_port: int) -> tuple[dict[str, tuple[float, float]], dict[str, float]]:
+    """From the coordinator's /metrics: method -> (sum of server seconds, count), and its store writer's
+    totals (WRITER_SERIES' names)."""
     try:
         text = urllib.request.urlopen(f"http://127.0.0.1:{http_port}/metrics", timeout=10).read().decode()
     except OSError:
-        return {}
+        return {}, {}
     out: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
     for m in re.finditer(r'^veriroll_request_seconds_(sum|count)\{method="(\w+)"\} (\S+)$', text, re.M):
         out[m.group(2)][0 if m.group(1) == "sum" else 1] = float(m.group(3))
-    return {k: (v[0], v[1]) for k, v in out.items()}
+    series = dict(line.rsplit(" ", 1) for line in text.splitlines() if line and not line.startswith("#"))
+    writer = {name: float(series[key]) for name, key in WRITER_SERIES.items() if key in series}
+    return {k: (v[0], v[1]) for k, v in out.items()}, writer
 
 
 class RssSampler(threading.Thread):
@@ -479,7 +488,10 @@ def run_scale(nodes: int, args, root: Path, *, database: str | None = None, edge
                 coord.wait(timeout=10)
     spent = [(b[0] - a[0], b[1] - a[1]) for a, b in zip(cpu_a, cpu_b, strict=True)]
     cpu = (sum(total for total, _ in spent), sum(main for _, main in spent))
-    figures = summarize(nodes, args, results, cpu, merge_server_seconds(srv_a), merge_server_seconds(srv_b), rss, peak)
+    figures = summarize(nodes, args, results, cpu, merge_server_seconds([m for m, _ in srv_a]),
+                        merge_server_seconds([m for m, _ in srv_b]), rss, peak)
+    figures["store_writer"] = writer_figures([w for _, w in srv_a], [w for _, w in srv_b], args.measure_s,
+                                             figures["submissions_per_s"] * args.measure_s)
     # Backends that lived through the window; one that came or went meanwhile is left out.
     store_s = sum(store_b[pid] - store_a[pid] for pid in store_a.keys() & store_b.keys())
     figures["deployment"] = {"store": "sqlite" if database is None else "postgresql", "roles": roles,
@@ -491,6 +503,23 @@ def run_scale(nodes: int, args, root: Path, *, database: str | None = None, edge
     # Cores the hypervisor took (a VM's noisy neighbours): not there for anyone on this machine.
     figures["steal_cores"] = round(max(0.0, steal_b - steal_a) / args.measure_s, 2)
     return figures
+
+
+def writer_figures(before: list[dict[str, float]], after: list[dict[str, float]], window_s: float,
+                   accepted: float) -> dict | None:
+    """The store writers' work over the window (each edge process has one): the share of the window each was
+    busy in a transaction (mean over processes), its wall and CPU time per accepted group, ops per group and
+    per transaction, and on PostgreSQL its round trips per group. The writers' ops include the heartbeats'."""
+    if not accepted or not all(before) or len(before) != len(after):
+        return None
+    d = {name: sum(b.get(name, 0.0) - a.get(name, 0.0) for a, b in zip(before, after, strict=True))
+         for name in WRITER_SERIES}
+    return {"busy_fraction": round(d["wall_s"] / window_s / len(before), 3),
+            "wall_ms_per_group": round(d["wall_s"] / accepted * 1000, 3),
+            "cpu_ms_per_group": round(d["cpu_s"] / accepted * 1000, 3),
+            "ops_per_group": round(d["ops"] / accepted, 2),
+            "ops_per_transaction": round(d["ops"] / d["batches"], 1) if d["batches"] else None,
+            "round_trips_per_group": round(d["round_trips"] / accepted, 2) if d["round_trips"] else None}
 
 
 def merge_server_seconds(per_process: list[dict[str, tuple[float, float]]]) -> dict[str, tuple[float, float]]:
@@ -665,10 +694,40 @@ def run_costs(s: dict, args, commit_ms: float) -> dict:
                 "edge_reference_tokens": args.group_size * args.tokens, "store_commit_s": commit_ms / 1000}
     if s["deployment"]["store_cores"] is not None:
         measured["store_cpu_s_per_group"] = s["deployment"]["store_cores"] / s["submissions_per_s"]
+    writer = s.get("store_writer")
+    if writer:
+        # The writers' wall time per group, heartbeats' writes included (as the edges' CPU): PostgreSQL's
+        # execution (the defaults' pg_stat_statements figures) and, per round trip, whatever else the writer
+        # waited for. On SQLite the writer runs the statements itself: all of it is execution.
+        wall_s = writer["wall_ms_per_group"] / 1000
+        measured |= {"store_exec_s_per_heartbeat": 0.0, "store_round_trips_per_heartbeat": 0.0}
+        trips = writer["round_trips_per_group"]
+        if trips:
+            beats = s["heartbeats_per_s"] / s["submissions_per_s"]
+            exec_s = (DEFAULT_COSTS["store_exec_s_per_group"].value
+                      + beats * DEFAULT_COSTS["store_exec_s_per_heartbeat"].value)
+            measured |= {"store_exec_s_per_group": exec_s, "store_round_trips_per_group": trips,
+                         "store_s_per_round_trip": max(0.0, wall_s - exec_s) / trips}
+        else:  # (no network between them: a round trip costs nothing apart)
+            measured |= {"store_exec_s_per_group": wall_s, "store_s_per_round_trip": 0.0}
     costs = dict(DEFAULT_COSTS)
     for name, value in measured.items():
         costs[name] = dataclasses.replace(costs[name], value=value, source=source, measured=True)
     return costs
+
+
+def default_writer_ms_per_group(s: dict) -> float | None:
+    """An edge writer's wall time per accepted group on PostgreSQL as the planner's default costs put it (its
+    execution and a round trip per statement at no network latency), at run ``s``'s heartbeats per group."""
+    from veriroll.coordinator.plan import DEFAULT_COSTS
+
+    if not s["submissions_per_s"]:
+        return None
+    c = {name: cost.value for name, cost in DEFAULT_COSTS.items()}
+    own = c["store_s_per_round_trip"]
+    beats = s["heartbeats_per_s"] / s["submissions_per_s"]
+    return round(1000 * (c["store_exec_s_per_group"] + c["store_round_trips_per_group"] * own
+                         + beats * (c["store_exec_s_per_heartbeat"] + c["store_round_trips_per_heartbeat"] * own)), 3)
 
 
 def deployment_plan(s: dict, args, edges: int, commit_ms: float, *, cores: float | None) -> dict:
@@ -733,6 +792,7 @@ def deployment_figures(s: dict, args, edges: int, commit_ms: float) -> dict:
         "client_ms_per_group": round(s["client_cpu_cores"] / accepted * 1000, 2) if accepted else None,
         "store_ms_per_group": round(store_cores / accepted * 1000, 2) if accepted and store_cores else None,
         "load_avg": s["load_avg"],
+        "store_writer": s.get("store_writer"),
     }
     if not accepted:
         return figures | {"predicted_groups_per_s": None, "predicted_ratio": None, "bottleneck": None}
@@ -745,6 +805,10 @@ def deployment_figures(s: dict, args, edges: int, commit_ms: float) -> dict:
         "bottleneck": shared["bottleneck"],
         "cores_for_deployment": round(shared["host_cores"], 2),
         "predicted_edges_groups_per_s": round(shared["groups_per_s_edges"], 1),
+        # The writer's wall time per group the planner's default costs assume (heartbeats' writes included),
+        # beside store_writer's measured wall_ms_per_group (which this run's predictions use).
+        "default_writer_ms_per_group": default_writer_ms_per_group(s)
+        if s["deployment"]["store"] == "postgresql" else None,
         # What the cores left to the deployment hold, its clients on them too.
         "machine_bound_groups_per_s": round(shared["groups_per_s_host"], 1),
         # The same, were nothing else running on this machine.

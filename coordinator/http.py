@@ -357,6 +357,13 @@ def make_app(coord, source: StatusSource) -> web.Application:
         metrics.open_leases.set(summary["open_leases"])
         for result, n in grpc_call_counts().items():
             grpc_calls.set(n, result=result)
+        db = coord.db
+        metrics.store_writer_seconds.set(db.writer_busy_s, clock="wall")
+        metrics.store_writer_seconds.set(db.writer_cpu_s, clock="cpu")
+        metrics.store_writer_ops.set(db.writer_ops)
+        metrics.store_writer_batches.set(db.writer_batches)
+        if db.round_trips is not None:
+            metrics.store_round_trips.set(db.round_trips)
         return web.Response(text=metrics.registry.render(), content_type="text/plain",
                             headers={"Cache-Control": "no-cache"}, charset="utf-8")
 

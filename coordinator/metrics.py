@@ -47,6 +47,11 @@ class Counter(_Metric):
     def get(self, **labels) -> float:
         return self.values.get(self._key(labels), 0.0)
 
+    def set(self, value: float, **labels) -> None:
+        """For a gauge, its value; for a counter, a total kept elsewhere and read when scraped."""
+        with self._lock:
+            self.values[self._key(labels)] = float(value)
+
     def render(self) -> list[str]:
         values = dict(self.values)
         if not self.label_names and not values:
@@ -56,10 +61,6 @@ class Counter(_Metric):
 
 class Gauge(Counter):
     kind = "gauge"
-
-    def set(self, value: float, **labels) -> None:
-        with self._lock:
-            self.values[self._key(labels)] = float(value)
 
     def clear(self) -> None:
         with self._lock:
@@ -149,3 +150,14 @@ class CoordinatorMetrics:
         self.open_leases = r.gauge("veriroll_open_leases", "leases handed out and not yet submitted or expired")
         self.trainer_staleness = r.gauge("veriroll_trainer_staleness_samples",
                                          "samples in the last trainer step by staleness (versions behind)", ("staleness",))
+        # store_* are read from the store's writer when scraped (coordinator/http.py).
+        self.store_writer_seconds = r.counter("veriroll_store_writer_seconds_total",
+                                              "time the store's writer spent running transactions, from a batch's "
+                                              "first statement until its COMMIT returned, by clock (wall, cpu)",
+                                              ("clock",))
+        self.store_writer_ops = r.counter("veriroll_store_writer_ops_total", "writes the store's writer ran")
+        self.store_writer_batches = r.counter("veriroll_store_writer_batches_total",
+                                              "transactions (group commits) the store's writer ran")
+        self.store_round_trips = r.counter("veriroll_store_round_trips_total",
+                                           "waits of the store's writer on PostgreSQL (a pipeline of statements is one; "
+                                           "none on SQLite)")

@@ -17,6 +17,7 @@ import json
 import queue
 import sqlite3
 import threading
+import time
 import unicodedata
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -386,6 +387,10 @@ class Database:
         self._reader = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="veriroll-db-read")
         self._local = threading.local()
         self._reader_conns: list[sqlite3.Connection] = []
+        # What the writer spent on transactions so far, written by its thread alone (read by /metrics): wall
+        # and CPU seconds from a batch's first statement until its COMMIT returned, batches and ops.
+        self.writer_busy_s = self.writer_cpu_s = 0.0
+        self.writer_batches = self.writer_ops = 0
         self._thread.start()
 
     def _loop(self) -> None:
@@ -415,6 +420,22 @@ class Database:
         batch = [op for op in batch if op.start()]
         if not batch:
             return
+        wall, cpu = time.perf_counter(), time.thread_time()
+        results = self._commit(batch)
+        self.writer_busy_s += time.perf_counter() - wall
+        self.writer_cpu_s += time.thread_time() - cpu
+        self.writer_batches += 1
+        self.writer_ops += len(batch)
+        # Answer only after COMMIT returned: nothing is reported done before it is durable.
+        _answer(results)
+
+    @property
+    def round_trips(self) -> int | None:
+        """Waits on PostgreSQL the writer's connection made so far (None on SQLite, which has no server)."""
+        return self.conn.round_trips if isinstance(self.conn, store_pg.PgConnection) else None
+
+    def _commit(self, batch: list[_Op]) -> list[tuple[_Op, bool, Any]]:
+        """Run ``batch`` to its COMMIT (or its failure); what to answer each op."""
         for attempt in range(TRANSIENT_RETRIES + 1):
             try:
                 results = self._transaction(batch)
@@ -427,11 +448,9 @@ class Database:
                     # A deadlock with another process's writer (PostgreSQL): rolled back whole, nothing of it
                     # committed; this batch's locks are gone, the other transaction goes on, and ours runs again.
                     continue
-                _answer([(op, False, exc) for op in batch])
-                return
-            # Answer only after COMMIT returned: nothing is reported done before it is durable.
-            _answer(results)
-            return
+                return [(op, False, exc) for op in batch]
+            return results
+        raise AssertionError("unreachable: the last attempt returns")
 
     def _transaction(self, batch: list[_Op]) -> list[tuple[_Op, bool, Any]]:
         """Every op of ``batch`` in one transaction, committed once; an op that fails is undone alone and

@@ -509,6 +509,7 @@ class PgConnection:
         self._prepared: dict[tuple[str, tuple[int, ...]], bytes] = {}  # on self._conn: see PREPARED_MAX
         self._slot_claimed_on = None  # the psycopg connection (session) that claimed a counter slot
         self.statements = 0  # statements run on this connection so far
+        self.round_trips = 0  # waits on the server so far (a pipeline of statements is one)
         self._alone_until = float("inf")  # see read(): the last statement a read may run outside a snapshot
 
     def _open(self):
@@ -537,6 +538,7 @@ class PgConnection:
 
     def _run(self, sql: str, run):
         self.statements += 1
+        self.round_trips += 1
         if self.statements > self._alone_until:
             raise _SnapshotNeeded
         conn = self._usable(sql)

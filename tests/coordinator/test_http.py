@@ -39,6 +39,10 @@ STABLE_METRICS = {
     "veriroll_relay_up": "gauge",
     "veriroll_open_leases": "gauge",
     "veriroll_trainer_staleness_samples": "gauge",
+    "veriroll_store_writer_seconds_total": "counter",
+    "veriroll_store_writer_ops_total": "counter",
+    "veriroll_store_writer_batches_total": "counter",
+    "veriroll_store_round_trips_total": "counter",
 }
 
 
@@ -97,6 +101,12 @@ def test_metrics_count_what_the_coordinator_accepted_and_refused(base):
     assert sample(text, "veriroll_trainer_staleness_samples", staleness="0") == 40 - 11
     assert sample(text, "veriroll_trainer_staleness_samples", staleness="2") == 4
     assert sample(text, "veriroll_request_seconds_count", method="SubmitGroup") == 9
+    # The store's writer: every accepted group and issued lease was one of its ops; SQLite has no round trips.
+    ops, batches = sample(text, "veriroll_store_writer_ops_total"), sample(text, "veriroll_store_writer_batches_total")
+    assert ops >= sum(traffic.accepted.values()) + 1 and 1 <= batches <= ops
+    wall, cpu = (sample(text, "veriroll_store_writer_seconds_total", clock=c) for c in ("wall", "cpu"))
+    assert 0 < cpu <= wall * 1.05 + 0.01
+    assert sample(text, "veriroll_store_round_trips_total") == 0
 
 
 def test_healthz_answers_with_the_policy_version(base):

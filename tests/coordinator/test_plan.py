@@ -347,7 +347,8 @@ def test_the_scale_benchmark_predicts_from_the_unit_costs_of_its_own_run(monkeyp
     args = argparse.Namespace(think_s=1.0, think_sigma=0.0, group_size=8, tokens=64, heartbeat_s=5.0)
     # 600 nodes at 1 s: 600 groups/s offered; the run held 200 on PostgreSQL with 2 edges at 1.0 cores
     # (5 ms per group), clients 0.3 cores (1.5 ms), PostgreSQL 0.3 (1.5 ms), other tenants 0.4 cores.
-    run = {"nodes": 600, "submissions_per_s": 200.0, "client_cpu_cores": 0.3, "other_cores": 0.4,
+    run = {"nodes": 600, "submissions_per_s": 200.0, "heartbeats_per_s": 40.0, "client_cpu_cores": 0.3,
+           "other_cores": 0.4,
            "coordinator": {"cpu_ms_per_group": 5.0, "cpu_cores": 1.0, "main_thread_cores": 0.6},
            "deployment": {"store": "postgresql", "roles": ["edge", "edge"], "store_cores": 0.3}}
     p = scale.deployment_plan(run, args, 2, 4.0, cores=scale.cores_left(run))
@@ -373,3 +374,32 @@ def test_the_scale_benchmark_predicts_from_the_unit_costs_of_its_own_run(monkeyp
     assert scale.cores_left(stolen) == pytest.approx(1.2)
     assert scale.predicted_from(run, stolen, args, 2, 4.0) == {"predicted_groups_per_s": 150.0,
                                                              "predicted_ratio": 1.0}
+    # The store writers' measured wall time per group (heartbeats' writes in it) replaces the default costs'
+    # execution plus round trips: 12 ms a group on each of 2 writers holds 166.7 groups/s, under the host's 200.
+    timed = dict(run, store_writer={"wall_ms_per_group": 12.0, "round_trips_per_group": 6.0})
+    p = scale.deployment_plan(timed, args, 2, 4.0, cores=scale.cores_left(timed))
+    assert p["edge_writer_s_per_group"] == pytest.approx(0.012)
+    assert (p["predicted_groups_per_s"], p["bottleneck"]) == (pytest.approx(2 / 0.012), "edge_writers")
+    # On SQLite the writer runs its statements itself: the same wall time, no round trips.
+    sqlite = dict(timed, store_writer={"wall_ms_per_group": 12.0, "round_trips_per_group": None},
+                  deployment={"store": "sqlite", "roles": ["all"], "store_cores": None})
+    assert scale.deployment_plan(sqlite, args, 1, 4.0, cores=None)["edge_writer_s_per_group"] == pytest.approx(0.012)
+    # What the default costs put it at, for comparison: execution and 50 us per round trip, 0.2 heartbeats a group.
+    assert scale.default_writer_ms_per_group(run) == pytest.approx(0.5 + 3.4 * 0.05 + 0.2 * (0.07 + 2 * 0.05))
+
+
+def test_the_scale_benchmark_reads_the_store_writers_work_over_its_window():
+    scale = scale_benchmark()
+    # Two edges' writers over a 10 s window in which 1,000 groups were accepted.
+    before = [{"wall_s": 1.0, "cpu_s": 0.5, "ops": 100, "batches": 10, "round_trips": 400},
+              {"wall_s": 2.0, "cpu_s": 1.0, "ops": 200, "batches": 20, "round_trips": 800}]
+    after = [{"wall_s": 7.0, "cpu_s": 1.5, "ops": 1600, "batches": 110, "round_trips": 3400},
+             {"wall_s": 6.0, "cpu_s": 2.0, "ops": 1700, "batches": 220, "round_trips": 3800}]
+    assert scale.writer_figures(before, after, 10.0, 1000) == {
+        "busy_fraction": 0.5, "wall_ms_per_group": 10.0, "cpu_ms_per_group": 2.0, "ops_per_group": 3.0,
+        "ops_per_transaction": 10.0, "round_trips_per_group": 6.0}
+    # SQLite: no round trips; nothing accepted or an edge that did not answer /metrics: no figures.
+    sqlite = [{k: v for k, v in d.items() if k != "round_trips"} for d in (before[0], after[0])]
+    assert scale.writer_figures([sqlite[0]], [sqlite[1]], 10.0, 1000)["round_trips_per_group"] is None
+    assert scale.writer_figures(before, after, 10.0, 0) is None
+    assert scale.writer_figures([before[0], {}], after, 10.0, 1000) is None

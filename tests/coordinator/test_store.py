@@ -475,3 +475,48 @@ def test_run_chain_runs_two_ops_in_one_transaction_and_answers_them_apart(store_
     assert values == {"first": 1, "then": 2, "first1": 7, "first2": None, "then2": None}
     if isinstance(store_target, Path):
         assert out["commits"] == 1  # one transaction for both
+
+
+def test_the_writer_accounts_its_transactions_ops_time_and_round_trips(store_target):
+    """What /metrics reads from the writer: each batch once, its ops, its wall and CPU time (CPU no more than
+    wall), and on PostgreSQL every wait on the server, a pipeline of statements as one."""
+    db = st.Database(store_target)
+    running, release = threading.Event(), threading.Event()
+    seen = []
+
+    def held(conn):  # keeps the writer in one transaction until the other two are queued behind it
+        running.set()
+        release.wait(10)
+        st.kv_set(conn, "held", 1)
+
+    def two_statements(conn):  # runs first in the next batch: the held one's is accounted by now
+        seen.append((db.writer_busy_s, db.writer_cpu_s, db.writer_batches, db.writer_ops, db.round_trips))
+        st.kv_set(conn, "a", 1)
+        st.kv_set(conn, "b", 2)
+
+    def together(conn):
+        st.execute_together(conn, [("UPDATE kv SET value = ? WHERE key = ?", ("3", "a")),
+                                   ("UPDATE kv SET value = ? WHERE key = ?", ("4", "b")),
+                                   ("SELECT value FROM kv WHERE key = ?", ("a",))])
+
+    try:
+        first = db.submit(held)
+        assert running.wait(10)
+        trips0 = db.round_trips
+        rest = [db.submit(two_statements), db.submit(together)]
+        release.set()
+        for fut in [first, *rest]:
+            fut.result(timeout=30)
+        (busy0, cpu0, batches0, ops0, trips1), = seen
+        busy, cpu = db.writer_busy_s - busy0, db.writer_cpu_s - cpu0
+        batches, ops, trips2 = db.writer_batches - batches0, db.writer_ops - ops0, db.round_trips
+    finally:
+        db.close()
+    assert (batches, ops) == (1, 2)  # the two queued behind the held one shared a transaction
+    assert busy0 > 0.0 and 0 < cpu <= busy * 1.05 + 0.002
+    if isinstance(store_target, Path):
+        assert trips0 is trips1 is trips2 is None
+    else:
+        # The held op's kv_set and COMMIT, then the next batch's BEGIN (its BEGIN came before the op ran).
+        assert trips1 - trips0 == 3
+        assert trips2 - trips1 == 4  # two statements, one pipeline of three, COMMIT
