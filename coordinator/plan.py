@@ -82,13 +82,14 @@ DEFAULT_COSTS: dict[str, UnitCost] = {
         "benchmarks/scale.py scale_out: the postmaster's process tree, 1.2-1.4 ms per 8x64 group with 1 or 2 edges "
         "(fsync off); counts only where --colocate store puts it on the edges' cores", True),
     "store_round_trips_per_group": UnitCost(
-        3.4, "round trips an edge's writer connection makes per accepted group and its lease",
-        "pg_stat_statements under one PostgreSQL edge (benchmarks/intake.py's clients): the request's nonce, the "
-        "accept and the lease (one statement each, in one transaction: Database.run_chain), and BEGIN and COMMIT "
-        "shared by a batch (0.2 each per group)", True),
+        2.2, "round trips an edge's writer connection makes per accepted group and its lease",
+        "benchmarks/scale.py's 600-node fleet on one PostgreSQL edge (its writer's veriroll_store_round_trips_total): "
+        "2.41-2.60 per group with 0.33 heartbeats a group, at 32-78 writes per transaction: the accept and the "
+        "lease (one statement each, in one transaction: Database.run_chain); the nonces of a transaction's "
+        "requests in one statement and its BEGIN and COMMIT are shared (3.6-4.0 before the nonces were)", True),
     "store_round_trips_per_heartbeat": UnitCost(
-        2, "round trips an edge's writer connection makes per Heartbeat", "store.py: the nonce, the node's touch",
-        True),
+        1.1, "round trips an edge's writer connection makes per Heartbeat",
+        "store.py: the node's touch, and a share of its transaction's one nonce statement", True),
     "store_exec_s_per_group": UnitCost(
         0.0005, "s PostgreSQL executes an edge's writer statements per accepted group and its lease",
         "pg_stat_statements under one PostgreSQL edge: accept 273 us, lease 198 us, nonce 34 us per group", True),
@@ -98,8 +99,10 @@ DEFAULT_COSTS: dict[str, UnitCost] = {
     "store_s_per_round_trip": UnitCost(
         5e-5, "s an edge's writer spends per round trip on its own side: libpq's send and receive and taking the "
               "GIL back from the event loop (the network's time is --store-rtt-ms)",
-        "assumption from py-spy of one PostgreSQL edge's writer thread (docs/scaling.md): tens of us per statement "
-        "waiting for the GIL on return", False),
+        "assumption for an edge with a core of its own. On the 2-core development machine, shared with the "
+        "simulated fleet and PostgreSQL, benchmarks/scale.py measures 0.6-1.3 ms per round trip beyond execution "
+        "(the writer's wall time less pg_stat_statements' execution): waiting for a core and for the GIL, which "
+        "a GIL-bound edge hands back only when it has nothing else to run (docs/scaling.md)", False),
     "store_writes_per_commit_max": UnitCost(
         512, "writes one group commit carries at most", "store.py: the writer's MAX_BATCH", True),
     "store_commit_s": UnitCost(

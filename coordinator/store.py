@@ -31,6 +31,7 @@ import numpy as np
 from veriroll.coordinator import store_pg
 
 T = TypeVar("T")
+A = TypeVar("A")
 DB_ERRORS: tuple[type[BaseException], ...] = (sqlite3.Error, *store_pg.errors())
 
 SCHEMA = """
@@ -324,6 +325,8 @@ class _Op:
     # Set for callers on an event loop: their asyncio future is settled on that loop, all of a batch's
     # futures in one wake-up (cheaper than a concurrent future chained to an asyncio one per op).
     loop: asyncio.AbstractEventLoop | None = None
+    # (many, arg) for an op of Database.run_together: the batch's ops of one ``many`` run as one call of it.
+    together: tuple[Callable[[sqlite3.Connection, list], list], Any] | None = None
 
     def start(self) -> bool:
         """False when the caller already gave up (cancelled): the op is then skipped."""
@@ -436,21 +439,20 @@ class Database:
 
     def _commit(self, batch: list[_Op]) -> list[tuple[_Op, bool, Any]]:
         """Run ``batch`` to its COMMIT (or its failure); what to answer each op."""
-        for attempt in range(TRANSIENT_RETRIES + 1):
+        attempt = 0
+        while True:
             try:
-                results = self._transaction(batch)
+                return self._transaction(batch)
             except BaseException as exc:  # noqa: BLE001 - the whole batch failed to commit: tell everyone
                 try:
                     self.conn.execute("ROLLBACK")
                 except DB_ERRORS:
                     pass
-                if store_pg.is_transient(exc) and attempt < TRANSIENT_RETRIES:
-                    # A deadlock with another process's writer (PostgreSQL): rolled back whole, nothing of it
-                    # committed; this batch's locks are gone, the other transaction goes on, and ours runs again.
-                    continue
-                return [(op, False, exc) for op in batch]
-            return results
-        raise AssertionError("unreachable: the last attempt returns")
+                if not (store_pg.is_transient(exc) and attempt < TRANSIENT_RETRIES):
+                    return [(op, False, exc) for op in batch]
+                # A deadlock with another process's writer (PostgreSQL): rolled back whole, nothing of it
+                # committed; this batch's locks are gone, the other transaction goes on, and ours runs again.
+                attempt += 1
 
     def _transaction(self, batch: list[_Op]) -> list[tuple[_Op, bool, Any]]:
         """Every op of ``batch`` in one transaction, committed once; an op that fails is undone alone and
@@ -459,13 +461,22 @@ class Database:
         Ops almost never fail, so the batch first runs without savepoints (two statements per op fewer: on
         PostgreSQL two round trips each). When one raises, that attempt is rolled back whole and the batch
         runs again with a savepoint per op; nothing of the first attempt was committed, and ops are plain
-        functions of the connection (the writer already runs a batch again after a deadlock).
+        functions of the connection (the writer already runs a batch again after a deadlock). The ops of
+        :meth:`run_together` run as one call per kind at the first of them, and one by one with savepoints.
         """
         self.conn.execute("BEGIN IMMEDIATE")
         results: list[tuple[_Op, bool, Any]] = []
+        together: dict[Callable, list[_Op]] = {}
+        for op in batch:
+            if op.together is not None:
+                together.setdefault(op.together[0], []).append(op)
         try:
             for op in batch:
-                results.append((op, True, op.fn(self.conn)))
+                if op.together is None:
+                    results.append((op, True, op.fn(self.conn)))
+                elif (ops := together.pop(op.together[0], None)) is not None:  # at the first of its kind
+                    values = op.together[0](self.conn, [o.together[1] for o in ops])
+                    results.extend((o, True, v) for o, v in zip(ops, values, strict=True))
         except BaseException as exc:  # re-raised, retried with savepoints, or handed to the caller
             if store_pg.is_transient(exc) or not isinstance(exc, Exception):
                 raise  # a deadlock victim runs again whole (_run_batch); an interrupt is not the op's fault
@@ -558,6 +569,16 @@ class Database:
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
         self._enqueue(_Op(fn, fut, loop))
+        return await fut
+
+    async def run_together(self, many: Callable[[sqlite3.Connection, list[A]], list[T]], arg: A) -> T:
+        """``many(conn, [arg])[0]`` in the writer's next transaction, as :meth:`run`; the calls of one ``many``
+        that share a transaction run as one call, ``many(conn, [their args])`` (one statement and one round
+        trip for all of them, where :meth:`run` would take one each). ``many`` returns a result per arg, in
+        order, and must give each the result it would have had alone, first to last."""
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        self._enqueue(_Op(lambda conn: many(conn, [arg])[0], fut, loop, (many, arg)))
         return await fut
 
     async def run_chain(self, first: Callable[[sqlite3.Connection], T],
@@ -891,9 +912,30 @@ def insert_leased_prompt(conn: sqlite3.Connection, env: str, text: str, answer: 
 def use_nonce(conn: sqlite3.Connection, public_key: bytes, nonce: str, expires_ms: int) -> bool:
     """Record a request's nonce for its key; False when it was used already (a replay), whichever edge
     process saw it first."""
-    return conn.execute("INSERT INTO nonces(public_key, nonce, expires_ms) VALUES(?, ?, ?) "
-                        "ON CONFLICT(public_key, nonce) DO NOTHING RETURNING 1",
-                        (public_key, nonce, expires_ms)).fetchone() is not None
+    return use_nonces(conn, [(public_key, nonce, expires_ms)])[0]
+
+
+def use_nonces(conn: sqlite3.Connection, entries: list[tuple[bytes, str, int]]) -> list[bool]:
+    """:func:`use_nonce` for several requests (public key, nonce, expiry) in one statement: for each, True
+    when its nonce was new. Of entries with the same key and nonce only the first can be (a request and its
+    replay in one transaction)."""
+    first: dict[tuple[bytes, str], int] = {}
+    for i, (key, nonce, _) in enumerate(entries):
+        first.setdefault((bytes(key), nonce), i)
+    # In key order: edges that insert the same nonces at once lock them in one order (no deadlock).
+    unique = sorted(first)
+    if isinstance(conn, store_pg.PgConnection):  # one statement whatever the count (one prepared statement)
+        rows = conn.execute(
+            "INSERT INTO nonces(public_key, nonce, expires_ms) SELECT * FROM unnest(?::bytea[], ?::text[], ?::bigint[]) "
+            "ON CONFLICT(public_key, nonce) DO NOTHING RETURNING public_key, nonce",
+            ([k for k, _ in unique], [n for _, n in unique], [entries[first[k]][2] for k in unique]))
+    else:
+        rows = conn.execute(
+            "INSERT INTO nonces(public_key, nonce, expires_ms) VALUES " + ", ".join(["(?, ?, ?)"] * len(unique))
+            + " ON CONFLICT(public_key, nonce) DO NOTHING RETURNING public_key, nonce",
+            [v for k in unique for v in (k[0], k[1], entries[first[k]][2])])
+    new = {(bytes(r[0]), r[1]) for r in rows}
+    return [first[(bytes(key), nonce)] == i and (bytes(key), nonce) in new for i, (key, nonce, _) in enumerate(entries)]
 
 
 def forget_nonces(conn: sqlite3.Connection, now_ms: int) -> int:

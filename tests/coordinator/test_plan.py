@@ -88,7 +88,7 @@ def test_store_writers_far_from_the_store_need_edges_of_their_own_and_can_set_th
     assert one["bottleneck"] == "edge_writers"
     assert one["predicted_groups_per_s"] == pytest.approx((1 - heartbeats) / 0.010)
     assert main(["plan", "--model-params", "1e11", "--nodes", "100", "--tokens-per-sample", "25", "--group-size",
-                 "4", "--node-tokens-per-s", "100", "--store-rtt-ms", "3", "--edges", "1"]) == 0
+                 "4", "--node-tokens-per-s", "100", "--store-rtt-ms", "5", "--edges", "1"]) == 0
     assert "set by the edges' store writers" in capsys.readouterr().out
     with pytest.raises(PlanError, match="--store-rtt-ms"):
         plan(small_workload(store_rtt_s=-0.001), costs)
@@ -385,7 +385,7 @@ def test_the_scale_benchmark_predicts_from_the_unit_costs_of_its_own_run(monkeyp
                   deployment={"store": "sqlite", "roles": ["all"], "store_cores": None})
     assert scale.deployment_plan(sqlite, args, 1, 4.0, cores=None)["edge_writer_s_per_group"] == pytest.approx(0.012)
     # What the default costs put it at, for comparison: execution and 50 us per round trip, 0.2 heartbeats a group.
-    assert scale.default_writer_ms_per_group(run) == pytest.approx(0.5 + 3.4 * 0.05 + 0.2 * (0.07 + 2 * 0.05))
+    assert scale.default_writer_ms_per_group(run) == pytest.approx(0.5 + 2.2 * 0.05 + 0.2 * (0.07 + 1.1 * 0.05))
 
 
 def test_the_scale_benchmark_reads_the_store_writers_work_over_its_window():

@@ -520,3 +520,59 @@ def test_the_writer_accounts_its_transactions_ops_time_and_round_trips(store_tar
         # The held op's kv_set and COMMIT, then the next batch's BEGIN (its BEGIN came before the op ran).
         assert trips1 - trips0 == 3
         assert trips2 - trips1 == 4  # two statements, one pipeline of three, COMMIT
+
+
+def test_run_together_runs_a_transactions_calls_of_one_kind_as_one_and_answers_each_as_alone(store_target):
+    """Nonces of the requests that share a transaction go in with one statement: each caller gets what its
+    nonce alone would have got (a replay in the same transaction is refused, as one in a later one); with an
+    op of the batch failing, the batch runs again op by op and the answers are the same."""
+    db = st.Database(store_target)
+    calls: list[int] = []
+
+    def nonces(conn, entries):
+        calls.append(len(entries))
+        return st.use_nonces(conn, entries)
+
+    def fails(conn):
+        st.kv_set(conn, "undone", 1)
+        raise ValueError("this op fails alone")
+
+    async def batch(entries, *, with_failure: bool):
+        running, release = threading.Event(), threading.Event()
+
+        def held(conn):  # the writer is busy in this one until everything below is queued behind it
+            running.set()
+            release.wait(10)
+
+        first = db.submit(held)
+        assert await asyncio.to_thread(running.wait, 10)
+        tasks = [asyncio.ensure_future(db.run_together(nonces, e)) for e in entries]
+        if with_failure:
+            tasks.insert(1, asyncio.ensure_future(db.run(fails)))
+        await asyncio.sleep(0.05)  # every task has queued its op
+        release.set()
+        await asyncio.wrap_future(first)
+        return await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def scenario():
+        out = {"first": await batch([(b"k1", "a", 9), (b"k2", "a", 9), (b"k1", "a", 9), (b"k1", "b", 9)],
+                                    with_failure=False)}
+        out["first_calls"] = list(calls)
+        calls.clear()
+        out["second"] = await batch([(b"k1", "b", 9), (b"k3", "a", 9), (b"k3", "a", 9)], with_failure=True)
+        out["second_calls"] = list(calls)
+        return out
+
+    try:
+        out = asyncio.run(scenario())
+        undone = db.read(lambda conn: st.kv_get(conn, "undone")).result()
+        stored = db.read(lambda conn: sorted((bytes(r[0]), r[1]) for r in conn.execute(
+            "SELECT public_key, nonce FROM nonces"))).result()
+    finally:
+        db.close()
+    assert out["first"] == [True, True, False, True] and out["first_calls"] == [4]
+    assert out["second"][0] is False and isinstance(out["second"][1], ValueError) and out["second"][2:] == [True, False]
+    # Together first (the failure rolled it back), then one by one with savepoints.
+    assert out["second_calls"] == [3, 1, 1, 1]
+    assert undone is None
+    assert stored == [(b"k1", "a"), (b"k1", "b"), (b"k2", "a"), (b"k3", "a")]
