@@ -314,24 +314,33 @@ class Testnet:
             "run_dir": str(self.run_dir),
         }
 
-    def settle(self, watch: BroadcastWatch, limit_s: float) -> tuple[int, list[str]]:
+    def settle(self, watch: BroadcastWatch, limit_s: float) -> tuple[int, list[str], list[str]]:
         """Wait (at most ``limit_s``) until every honest node holds the last version published (fetched,
-        checked, ready in its cache): a run that stopped right after its last step would report nothing of
-        how that version spread. Returns that version and the nodes still without it.
+        checked, ready in its cache), and every adversary has had something judged (a refusal counted
+        against it, or a group accepted): a run that stopped right after its last step would report
+        nothing of how that version spread, nor of an adversary still loading its model when the honest
+        nodes had given the trainer its groups (seen under load: a two-step run over before the forger
+        submitted, its `adversarial_accepted` 0 for want of trying). Returns that version, the honest
+        nodes still without it and the adversaries not judged yet.
 
         Held, not running: a node swaps a version in for a lease at it, and once training is done the
         coordinator stops leasing when its queue of groups is full, so a node may hold the last version
         and never run it."""
         deadline = time.time() + limit_s
         honest = sorted(p.name for p in self.procs if p.role == "node")
+        adversaries = {p.node_id: p.name for p in self.procs if p.adversary and p.node_id}
         while True:
             watch.poll()
+            snap = self.snapshot()
             # Read again each time: the last step's version is published just after the step is recorded.
-            version = int(self.snapshot().get("kv", {}).get("policy_version", 0))
+            version = int(snap.get("kv", {}).get("policy_version", 0))
             held = watch.arrived.get(version, {})
             behind = [n for n in honest if n not in held]
-            if not behind or time.time() >= deadline or self.procs[0].popen.poll() is not None:
-                return version, behind
+            judged = set(snap.get("rejections", {})) | {
+                node_id for node_id, node in snap.get("nodes", {}).items() if node.get("accepted_groups")}
+            unjudged = sorted(name for node_id, name in adversaries.items() if node_id not in judged)
+            if (not behind and not unjudged) or time.time() >= deadline or self.procs[0].popen.poll() is not None:
+                return version, behind, unjudged
             time.sleep(1.0)
 
     def done(self, snap: dict) -> bool:
@@ -504,14 +513,18 @@ def run(cfg: TestnetConfig, run_dir: Path, *, live: bool, as_json: bool, wan: Wa
             if net.done(snap):
                 status = 0
                 if console_live is None and not as_json:
-                    print(f"training done; waiting up to {cfg.settle_s:.0f}s for the nodes to hold the final version",
-                          file=sys.stderr)
+                    print(f"training done; waiting up to {cfg.settle_s:.0f}s for the nodes to hold the final version "
+                          f"(and every adversary to be judged)", file=sys.stderr)
                 settle_t0 = time.time()
-                final, behind = net.settle(watch, cfg.settle_s)
+                final, behind, unjudged = net.settle(watch, cfg.settle_s)
                 snap = net.snapshot() or snap
-                settled = {"final_version": final, "settle_s": round(time.time() - settle_t0, 1), "nodes_behind": behind}
+                settled = {"final_version": final, "settle_s": round(time.time() - settle_t0, 1),
+                           "nodes_behind": behind, "adversaries_unjudged": unjudged}
                 if behind:
                     print(f"after {cfg.settle_s:.0f}s, {', '.join(behind)} did not hold version {final} yet",
+                          file=sys.stderr)
+                if unjudged:
+                    print(f"after {cfg.settle_s:.0f}s, nothing of {', '.join(unjudged)} was judged yet",
                           file=sys.stderr)
                 break
             if elapsed > cfg.timeout_s:

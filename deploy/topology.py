@@ -42,7 +42,8 @@ class TestnetConfig(BaseModel):
     steps: int = Field(0, ge=0, description="stop after this many trainer steps instead (0: use target_reward)")
     timeout_s: float = Field(1800.0, gt=0, description="give up after this long")
     settle_s: float = Field(60.0, ge=0, description="once training is done, wait up to this long for every honest "
-                            "node to hold the final version, so the broadcast report covers it")
+                            "node to hold the final version and every adversary to be judged, so the report "
+                            "covers them")
     honest_nodes: int = Field(3, ge=0, description="honest node processes")
     adversaries: list[str] = Field(default_factory=lambda: ["forged-logprobs"],
                                    description="one adversarial node per entry, by kind (veriroll node run --adversary)")

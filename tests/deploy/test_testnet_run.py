@@ -20,7 +20,7 @@ def test_the_local_testnet_trains_refuses_the_forger_and_every_honest_node_holds
     assert summary["steps"] >= 2 and summary["accepted_groups"] > 0
     assert summary["honest_rejected"] == 0, summary["rejections_by_node"]
     # The forger's groups are refused by the verifier (its log-probs do not match the trusted replay).
-    assert summary["adversarial_accepted"] == 0
+    assert summary["adversarial_accepted"] == 0 and summary["adversaries_unjudged"] == []
     assert summary["rejections_by_node"].get("node-4-forged-logprobs", {}).get("logprob_mismatch", 0) >= 1
     # Every published version is signed and relayed; the last reached every honest node before the run ended.
     final = summary["final_version"]

@@ -137,7 +137,9 @@ def test_the_broadcast_watch_times_versions_from_the_ready_markers(tmp_path):
 
 def test_after_training_the_testnet_waits_for_every_honest_node_to_hold_the_final_version(tmp_path):
     """The run used to stop right after its last step, before any node had the last versions: its broadcast
-    report was empty (seen over the emulated WAN, and with the 135M model no node had a trained version)."""
+    report was empty (seen over the emulated WAN, and with the 135M model no node had a trained version).
+    It also waits until each adversary had something judged (seen under load: a two-step run over before
+    the forger, still loading its model, submitted anything)."""
     import threading
 
     from veriroll.coordinator import store as st
@@ -152,23 +154,33 @@ def test_after_training_the_testnet_waits_for_every_honest_node_to_hold_the_fina
     names = ("node-1", "node-2", "node-3-forged-logprobs")
     try:
         net.procs = [Proc("coordinator", coordinator, tmp_path / "c.log", "coordinator")] + [
-            Proc(name, coordinator, tmp_path / f"{name}.log", "adversary" if "forged" in name else "node")
+            Proc(name, coordinator, tmp_path / f"{name}.log", "adversary" if "forged" in name else "node",
+                 node_id=f"id-{name}", adversary="forged-logprobs" if "forged" in name else "")
             for name in names]
+        for name in names:
+            db.run_sync(lambda c, name=name: st.register_node(
+                c, f"id-{name}", name.encode().ljust(32, b"."), 0, {}, "test", name))
         for name in names:
             (tmp_path / name / "cache").mkdir(parents=True)
         watch = net.broadcast_watch()
         make_ready(net.coord_dir / "shardcast", "v000002", time.time())
         make_ready(tmp_path / "node-1" / "cache" / "0123abcd", "v000002", time.time())  # a folder per coordinator key
         make_ready(tmp_path / "node-2" / "cache", "v000001", time.time())  # an older one: still behind
-        assert net.settle(watch, limit_s=0.0) == (2, ["node-2"])  # the adversary is not waited for
+        forger = ["node-3-forged-logprobs"]
+        assert net.settle(watch, limit_s=0.0) == (2, ["node-2"], forger)  # the adversary holds no version
         later = threading.Timer(1.5, make_ready, (tmp_path / "node-2" / "cache", "v000002", time.time()))
         later.start()
-        assert net.settle(watch, limit_s=30.0) == (2, [])
+        assert net.settle(watch, limit_s=2.5) == (2, [], forger)  # nothing of the forger judged yet
+        refused = threading.Timer(1.0, lambda: db.run_sync(lambda c: st.record_refusal(
+            c, "id-node-3-forged-logprobs", "logprob_mismatch", strike=True, strike_limit=3)))
+        refused.start()
+        assert net.settle(watch, limit_s=30.0) == (2, [], [])
         db.run_sync(lambda c: st.kv_set(c, "policy_version", 3))  # published after the last step was recorded
-        assert net.settle(watch, limit_s=0.0) == (3, ["node-1", "node-2"])
+        assert net.settle(watch, limit_s=0.0) == (3, ["node-1", "node-2"], [])
         coordinator.kill()
         coordinator.wait()
-        assert net.settle(watch, limit_s=30.0) == (3, ["node-1", "node-2"])  # no waiting on a coordinator that is gone
+        # No waiting on a coordinator that is gone.
+        assert net.settle(watch, limit_s=30.0) == (3, ["node-1", "node-2"], [])
     finally:
         coordinator.kill()
         coordinator.wait()
