@@ -164,6 +164,26 @@ def _exit_now(code: int = 0) -> None:
     os._exit(code)
 
 
+def _release_signals(loop: asyncio.AbstractEventLoop) -> None:
+    """Take SIGINT and SIGTERM back from ``loop`` before it closes: one more signal from here on leaves at
+    once. asyncio closes a loop's self-pipe, its signal wakeup fd, before it removes its signal handlers; a
+    signal in between (a second Ctrl-C as the node stops) had the interpreter print "Exception ignored when
+    trying to write to the signal wakeup fd: ... Bad file descriptor" with a traceback. Signals are held
+    back while the handlers change hands, so none falls between asyncio's and ours."""
+    signals = {signal.SIGINT, signal.SIGTERM}
+    blocked = hasattr(signal, "pthread_sigmask")
+    if blocked:
+        signal.pthread_sigmask(signal.SIG_BLOCK, signals)
+    try:
+        for sig in signals:
+            with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
+                loop.remove_signal_handler(sig)  # the last one removed also clears the wakeup fd
+            signal.signal(sig, lambda _signum, _frame: _exit_now())
+    finally:
+        if blocked:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, signals)
+
+
 async def _run(cfg: NodeConfig, console=None, hw=None, ran: dict | None = None, early: dict | None = None) -> int:
     from veriroll.node.doctor import format_failure
     from veriroll.node.live import watch
@@ -192,32 +212,37 @@ async def _run(cfg: NodeConfig, console=None, hw=None, ran: dict | None = None, 
             loop.add_signal_handler(sig, on_signal)
         except (NotImplementedError, RuntimeError):
             pass
-    if early and early.get("signal") is not None:  # told to stop while starting up
-        on_signal()
-    failure = await wait_for_coordinator(cfg, stop)
-    if failure is None and not stop.is_set():
-        channel = _channel(cfg)
-        agent = build_agent(cfg, channel, hw)  # a signal meanwhile is handled once the loop runs: it stops the agent
-    if agent is None:
-        if failure is not None:
-            print(f"cannot start this node: {format_failure(failure)}", file=sys.stderr)
-            return 2
-        log.warning("node stopped")
-        return 0
-    if ran is not None:
-        ran["agent"] = agent
-    print(f"node id {agent.key.node_id} (key {Path(cfg.key).expanduser()}); engine {agent.engine_kind} on {agent.device}",
-          file=sys.stderr)
-    view = asyncio.create_task(watch(lambda: agent.status, console=console, interactive=False if cfg.plain else None,
-                                     summary_every_s=cfg.summary_every_s))
     try:
-        rc = await agent.run()
-        if agent.stopping.is_set():
+        if early and early.get("signal") is not None:  # told to stop while starting up
+            on_signal()
+        failure = await wait_for_coordinator(cfg, stop)
+        if failure is None and not stop.is_set():
+            channel = _channel(cfg)
+            # A signal meanwhile is handled once the loop runs: it stops the agent.
+            agent = build_agent(cfg, channel, hw)
+        if agent is None:
+            if failure is not None:
+                print(f"cannot start this node: {format_failure(failure)}", file=sys.stderr)
+                return 2
             log.warning("node stopped")
-        return rc
+            return 0
+        if ran is not None:
+            ran["agent"] = agent
+        print(f"node id {agent.key.node_id} (key {Path(cfg.key).expanduser()}); engine {agent.engine_kind} "
+              f"on {agent.device}", file=sys.stderr)
+        view = asyncio.create_task(watch(lambda: agent.status, console=console,
+                                         interactive=False if cfg.plain else None,
+                                         summary_every_s=cfg.summary_every_s))
+        try:
+            rc = await agent.run()
+            if agent.stopping.is_set():
+                log.warning("node stopped")
+            return rc
+        finally:
+            view.cancel()
+            await channel.close()
     finally:
-        view.cancel()
-        await channel.close()
+        _release_signals(loop)
 
 
 # Refusals at registration that no retry fixes, with what to do; anything else points at the doctor.

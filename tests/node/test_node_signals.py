@@ -255,3 +255,33 @@ def test_check_engine_refuses_vllm_without_a_gpu_even_when_vllm_is_installed(mon
     monkeypatch.setattr(hardware, "vllm_available", lambda: False)
     with pytest.raises(EngineUnavailable, match="not installed.*--engine torch"):
         check_engine(NodeConfig(engine="vllm", device="cpu"), no_gpu)
+
+
+RELEASE_SCRIPT = r"""
+import asyncio, os, signal, sys
+from veriroll.node.cli import _release_signals
+
+async def main():
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, lambda: None)
+    _release_signals(loop)
+    # asyncio closes its self-pipe (the signal wakeup fd) before it removes its handlers: once released, no
+    # wakeup fd is left for a signal to be written to, and the handler is ours.
+    print("wakeup fd after release:", signal.set_wakeup_fd(-1), flush=True)
+    print("handler is asyncio's:", signal.getsignal(signal.SIGINT).__module__ == "asyncio.unix_events", flush=True)
+
+asyncio.run(main())
+os.kill(os.getpid(), signal.SIGINT)  # the loop is gone: one more signal leaves at once, quietly
+signal.pause()
+"""
+
+
+def test_a_signal_as_the_node_stops_finds_its_handlers_handed_back_and_leaves_quietly():
+    """Seen once in the suite: a second Ctrl-C while the node's loop closed printed "Exception ignored when
+    trying to write to the signal wakeup fd ... Bad file descriptor" with a traceback. The node now takes its
+    signals back from the loop before the loop closes."""
+    out = subprocess.run([sys.executable, "-c", RELEASE_SCRIPT], capture_output=True, text=True, timeout=WAIT_S)
+    assert out.returncode == 0, out.stderr
+    assert "wakeup fd after release: -1" in out.stdout and "handler is asyncio's: False" in out.stdout
+    assert "stopping now" in out.stderr and "Traceback" not in out.stderr and "Exception ignored" not in out.stderr
