@@ -176,9 +176,10 @@ def _release_signals(loop: asyncio.AbstractEventLoop) -> None:
         signal.pthread_sigmask(signal.SIG_BLOCK, signals)
     try:
         for sig in signals:
+            # (Neither can be done off the main thread, where the loop could not take them either.)
             with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
                 loop.remove_signal_handler(sig)  # the last one removed also clears the wakeup fd
-            signal.signal(sig, lambda _signum, _frame: _exit_now())
+                signal.signal(sig, lambda _signum, _frame: _exit_now())
     finally:
         if blocked:
             signal.pthread_sigmask(signal.SIG_UNBLOCK, signals)
