@@ -267,7 +267,7 @@ WRITER_SERIES = {"wall_s": 'veriroll_store_writer_seconds_total{clock="wall"}',
                  "round_trips": "veriroll_store_round_trips_total"}
 
 
-def server_seconds(http_port: int) -> tuple[dict[str, tuple[float, float]], dict[str, float]]:
+def server_figures(http_port: int) -> tuple[dict[str, tuple[float, float]], dict[str, float]]:
     """From the coordinator's /metrics: method -> (sum of server seconds, count), and its store writer's
     totals (WRITER_SERIES' names)."""
     try:
@@ -453,13 +453,13 @@ def run_scale(nodes: int, args, root: Path, *, database: str | None = None, edge
         sampler.start()
         time.sleep(max(0.0, measure_from - time.time()))
         cpu_a = [thread_cpu(pid) for pid in pids]
-        srv_a = [server_seconds(port) for port in http_ports]
+        srv_a = [server_figures(port) for port in http_ports]
         store_a = process_tree_cpu(store_pid) if store_pid else {}
         busy_a, steal_a = machine_busy_s(), machine_steal_s()
         time.sleep(max(0.0, spec["measure_to"] - time.time()))
         busy_b, steal_b = machine_busy_s(), machine_steal_s()
         cpu_b = [thread_cpu(pid) for pid in pids]
-        srv_b = [server_seconds(port) for port in http_ports]
+        srv_b = [server_figures(port) for port in http_ports]
         store_b = process_tree_cpu(store_pid) if store_pid else {}
         import psutil
 

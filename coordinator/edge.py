@@ -114,7 +114,7 @@ class LiveEdges:
 
 class Door:
     """``shared_nonces``: other edge processes share the store. Nonces are then recorded in the store
-    (``store.use_nonce``) rather than in this process's memory, so that a request replayed to another edge
+    (``store.use_nonces``) rather than in this process's memory, so that a request replayed to another edge
     is refused too, and a restart forgets nothing (requests signed before this process started are then
     fine); and the request rate limits are split among the live edges (:class:`LiveEdges`)."""
 

@@ -909,16 +909,10 @@ def insert_leased_prompt(conn: sqlite3.Connection, env: str, text: str, answer: 
     return int(inserted.fetchone()[0])
 
 
-def use_nonce(conn: sqlite3.Connection, public_key: bytes, nonce: str, expires_ms: int) -> bool:
-    """Record a request's nonce for its key; False when it was used already (a replay), whichever edge
-    process saw it first."""
-    return use_nonces(conn, [(public_key, nonce, expires_ms)])[0]
-
-
 def use_nonces(conn: sqlite3.Connection, entries: list[tuple[bytes, str, int]]) -> list[bool]:
-    """:func:`use_nonce` for several requests (public key, nonce, expiry) in one statement: for each, True
-    when its nonce was new. Of entries with the same key and nonce only the first can be (a request and its
-    replay in one transaction)."""
+    """Record requests' nonces (public key, nonce, expiry) in one statement: for each, True when its nonce
+    was new, False when it was used already (a replay), whichever edge process saw it first. Of entries with
+    the same key and nonce only the first can be (a request and its replay in one transaction)."""
     first: dict[tuple[bytes, str], int] = {}
     for i, (key, nonce, _) in enumerate(entries):
         first.setdefault((bytes(key), nonce), i)

@@ -164,6 +164,11 @@ def _exit_now(code: int = 0) -> None:
     os._exit(code)
 
 
+def _leave_on_signal(_signum, _frame) -> None:
+    """The handler once the event loop is gone: a stop signal then means leave now."""
+    _exit_now()
+
+
 def _release_signals(loop: asyncio.AbstractEventLoop) -> None:
     """Take SIGINT and SIGTERM back from ``loop`` before it closes: one more signal from here on leaves at
     once. asyncio closes a loop's self-pipe, its signal wakeup fd, before it removes its signal handlers; a
@@ -179,7 +184,7 @@ def _release_signals(loop: asyncio.AbstractEventLoop) -> None:
             # (Neither can be done off the main thread, where the loop could not take them either.)
             with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
                 loop.remove_signal_handler(sig)  # the last one removed also clears the wakeup fd
-                signal.signal(sig, lambda _signum, _frame: _exit_now())
+                signal.signal(sig, _leave_on_signal)
     finally:
         if blocked:
             signal.pthread_sigmask(signal.SIG_UNBLOCK, signals)
@@ -328,7 +333,7 @@ def cmd_run(args) -> int:
         return code
     finally:
         for sig in (signal.SIGINT, signal.SIGTERM):  # the loop is gone: one more signal means leave now
-            signal.signal(sig, lambda _signum, _frame: _exit_now())
+            signal.signal(sig, _leave_on_signal)
 
 
 async def _credits(cfg: NodeConfig) -> dict:
