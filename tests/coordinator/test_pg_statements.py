@@ -5,6 +5,7 @@ PostgreSQL runs as a throwaway cluster (tests/pg_cluster.py), skipped where it c
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from decimal import Decimal
@@ -146,3 +147,63 @@ def test_statements_together_answer_in_order_in_one_round_trip_and_fail_like_one
     other.close()
     with pytest.raises(store_pg.StoreUnavailable):
         conn.execute_together([("UPDATE t SET i = 1 WHERE k = ?", ("a",)), ("UPDATE t SET i = 1 WHERE k = ?", ("b",))])
+
+
+def test_begin_goes_with_the_transactions_first_statement_and_an_empty_transaction_costs_nothing(conn):
+    """BEGIN waits for the transaction's first statement and goes with it in one round trip; the transaction
+    is the same (its writes are seen only after COMMIT, undone by ROLLBACK, and a failing first statement
+    fails it until ROLLBACK); a transaction that ran no statement sends nothing at all."""
+    other = store_pg.PgConnection(conn._url)
+    try:
+        trips = conn.round_trips
+        conn.execute("BEGIN IMMEDIATE")
+        assert conn.in_transaction and conn.round_trips == trips
+        assert conn.execute("INSERT INTO t(k, i) VALUES(?, ?) RETURNING i", ("a", 1)).fetchone()[0] == 1
+        assert conn.round_trips == trips + 1  # BEGIN and the INSERT together
+        assert other.execute("SELECT COUNT(*) FROM t WHERE k = ?", ("a",)).fetchone()[0] == 0  # not committed
+        conn.execute("COMMIT")
+        assert conn.round_trips == trips + 2 and not conn.in_transaction
+        assert other.execute("SELECT COUNT(*) FROM t WHERE k = ?", ("a",)).fetchone()[0] == 1
+        # Undone by ROLLBACK, statements together after a deferred BEGIN too.
+        conn.execute("BEGIN")
+        conn.execute_together([("UPDATE t SET i = ? WHERE k = ?", (5, "a")), ("INSERT INTO t(k) VALUES(?)", ("b",))])
+        conn.execute("ROLLBACK")
+        assert [tuple(r) for r in other.execute("SELECT k, i FROM t ORDER BY k")] == [("a", 1)]
+        # A first statement that fails leaves the transaction failed until ROLLBACK, as one sent alone would.
+        conn.execute("BEGIN")
+        with pytest.raises(store_pg.psycopg.errors.UniqueViolation):
+            conn.execute("INSERT INTO t(k) VALUES(?)", ("a",))
+        with pytest.raises(store_pg.psycopg.errors.InFailedSqlTransaction):
+            conn.execute("SELECT k FROM t WHERE k = ?", ("a",))
+        conn.execute("ROLLBACK")
+        # Nothing in it: neither the BEGIN nor the COMMIT (or ROLLBACK) reaches the server.
+        trips = conn.round_trips
+        for end in ("COMMIT", "ROLLBACK"):
+            conn.execute("BEGIN IMMEDIATE")
+            conn.execute(end)
+        assert conn.round_trips == trips and not conn.in_transaction
+        # A snapshot read inside a transaction joins it; one of its own begins with its first statement.
+        with conn.snapshot():
+            assert conn.execute("SELECT COUNT(*) FROM t WHERE i = ?", (1,)).fetchone()[0] == 1
+            assert conn.execute("SELECT current_setting('transaction_isolation')").fetchone()[0] == "repeatable read"
+        assert conn.round_trips == trips + 3
+        # The session dies while a BEGIN waits: the first statement finds it gone (StoreUnavailable, as a
+        # BEGIN sent alone would have); after the ROLLBACK the next transaction opens a new session.
+        conn.execute("BEGIN")
+        pid = other.execute("SELECT pid FROM pg_stat_activity WHERE pid <> pg_backend_pid() AND datname = "
+                            "current_database() AND backend_type = ?", ("client backend",)).fetchall()
+        for (p,) in pid:
+            other.execute("SELECT pg_terminate_backend(CAST(? AS INTEGER))", (p,))
+        for _ in range(50):
+            try:
+                conn.execute("INSERT INTO t(k, i) VALUES(?, ?)", ("c", 3))
+                break
+            except store_pg.StoreUnavailable:
+                with contextlib.suppress(store_pg.StoreUnavailable):  # the session is gone: so is its transaction
+                    conn.execute("ROLLBACK")  # as the store's writer does; the next BEGIN waits again
+                conn.execute("BEGIN")
+                time.sleep(store_pg.RECONNECT_EVERY_S / 5)
+        conn.execute("COMMIT")
+        assert other.execute("SELECT i FROM t WHERE k = ?", ("c",)).fetchone()[0] == 3
+    finally:
+        other.close()
