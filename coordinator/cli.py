@@ -275,6 +275,7 @@ def cmd_run(args) -> int:
         signal.signal(sig, lambda *_: stop.set())
     from veriroll.coordinator.app import CannotListen, DirectoryInUse, load_coordinator_config, serve_forever
     from veriroll.coordinator.event_loop import loop_runner
+    from veriroll.protos.signals import leave_on_signals, then_release_signals
 
     _threads(1)
     logging.basicConfig(level=getattr(logging, args.log_level.upper()), format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -282,10 +283,13 @@ def cmd_run(args) -> int:
         overrides = [*(args.set or ()), *([f"role={args.role}"] if args.role else [])]
         name, run, why = loop_runner(load_coordinator_config(Path(args.dir), overrides).server.event_loop)
         logging.getLogger("veriroll.coordinator").info("event loop: %s (%s)", name, why)
-        return run(serve_forever(Path(args.dir), overrides=overrides, stop=stop))
+        # Once serving is over, one more stop signal leaves at once (protos/signals.py).
+        return run(then_release_signals(serve_forever(Path(args.dir), overrides=overrides, stop=stop)))
     except (FileNotFoundError, ConfigError, DirectoryInUse, CannotListen) as exc:
         print(f"coordinator run: {exc}", file=sys.stderr)
         return 2
+    finally:
+        leave_on_signals()  # the closed loop reset them to their defaults
 
 
 def _threads(n: int) -> None:

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from veriroll.node.config import NodeConfig
 from veriroll.protos.config import ConfigError, load_config
+from veriroll.protos.signals import leave_on_signals, release_signals
 
 STARTUP_CHECK_TIMEOUT_S = 10.0  # each startup probe (TCP, TLS, HTTP/2 greeting); a slow link still fits
 STARTUP_RETRY_CAP_S = 60.0  # a coordinator that does not answer is asked again at least this often
@@ -171,23 +172,9 @@ def _leave_on_signal(_signum, _frame) -> None:
 
 def _release_signals(loop: asyncio.AbstractEventLoop) -> None:
     """Take SIGINT and SIGTERM back from ``loop`` before it closes: one more signal from here on leaves at
-    once. asyncio closes a loop's self-pipe, its signal wakeup fd, before it removes its signal handlers; a
-    signal in between (a second Ctrl-C as the node stops) had the interpreter print "Exception ignored when
-    trying to write to the signal wakeup fd: ... Bad file descriptor" with a traceback. Signals are held
-    back while the handlers change hands, so none falls between asyncio's and ours."""
-    signals = {signal.SIGINT, signal.SIGTERM}
-    blocked = hasattr(signal, "pthread_sigmask")
-    if blocked:
-        signal.pthread_sigmask(signal.SIG_BLOCK, signals)
-    try:
-        for sig in signals:
-            # (Neither can be done off the main thread, where the loop could not take them either.)
-            with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
-                loop.remove_signal_handler(sig)  # the last one removed also clears the wakeup fd
-                signal.signal(sig, _leave_on_signal)
-    finally:
-        if blocked:
-            signal.pthread_sigmask(signal.SIG_UNBLOCK, signals)
+    once (protos/signals.py says why; ``loop`` resets them to their defaults when it closes, and ``cmd_run``
+    sets this handler again then)."""
+    release_signals(_leave_on_signal)
 
 
 async def _run(cfg: NodeConfig, console=None, hw=None, ran: dict | None = None, early: dict | None = None) -> int:
@@ -332,8 +319,7 @@ def cmd_run(args) -> int:
         print(f"the coordinator refused this node: {exc}\n  → {advice.format(ntp=NTP_ADVICE)}", file=sys.stderr)
         return code
     finally:
-        for sig in (signal.SIGINT, signal.SIGTERM):  # the loop is gone: one more signal means leave now
-            signal.signal(sig, _leave_on_signal)
+        leave_on_signals(_leave_on_signal)  # the loop is gone: one more signal means leave now
 
 
 async def _credits(cfg: NodeConfig) -> dict:

@@ -27,6 +27,8 @@ import json
 import logging
 import sys
 
+from veriroll.protos.signals import leave_on_signals, then_release_signals
+
 from . import relay
 from .errors import ShardcastError, exit_code_of
 from .manifest import DEFAULT_SHARD_SIZE
@@ -180,7 +182,8 @@ def cmd_relay_run(args: argparse.Namespace) -> int:
         )
 
     try:
-        asyncio.run(_relay_with_circuits(args.swarm_listen, serve) if args.swarm_listen else serve())
+        main = _relay_with_circuits(args.swarm_listen, serve) if args.swarm_listen else serve()
+        asyncio.run(then_release_signals(main))  # once serving is over, one more signal leaves at once
     except ImportError as exc:
         print(f"error: --swarm-listen needs libp2p: pip install 'veriroll[swarm]' ({exc})", file=sys.stderr)
         return 2
@@ -188,6 +191,8 @@ def cmd_relay_run(args: argparse.Namespace) -> int:
         return _fail(exc)
     except KeyboardInterrupt:
         return 0
+    finally:
+        leave_on_signals()  # the closed loop reset them to their defaults
     return 0
 
 

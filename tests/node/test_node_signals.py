@@ -259,7 +259,8 @@ def test_check_engine_refuses_vllm_without_a_gpu_even_when_vllm_is_installed(mon
 
 RELEASE_SCRIPT = r"""
 import asyncio, os, signal, sys
-from veriroll.node.cli import _release_signals
+from veriroll.node.cli import _leave_on_signal, _release_signals
+from veriroll.protos.signals import leave_on_signals
 
 async def main():
     loop = asyncio.get_running_loop()
@@ -271,7 +272,10 @@ async def main():
     print("wakeup fd after release:", signal.set_wakeup_fd(-1), flush=True)
     print("handler is asyncio's:", signal.getsignal(signal.SIGINT).__module__ == "asyncio.unix_events", flush=True)
 
-asyncio.run(main())
+try:
+    asyncio.run(main())
+finally:
+    leave_on_signals(_leave_on_signal)  # as cmd_run does: the closed loop reset them to their defaults
 os.kill(os.getpid(), signal.SIGINT)  # the loop is gone: one more signal leaves at once, quietly
 signal.pause()
 """
