@@ -63,9 +63,9 @@ def leave_on_signals(handler: Callable = leave_now) -> None:
 
 
 async def then_release_signals(main: Awaitable[T], handler: Callable = leave_now) -> T:
-    """``await main``; then, however it ended, :func:`release_signals` on the running loop. For a command's
-    entry point (``asyncio.run(then_release_signals(serve()))``), not for a library call: the process's
-    stop signals keep ``handler`` afterwards."""
+    """``await main``; then, however it ended and while its loop still runs, :func:`release_signals`. For a
+    command's entry point (``asyncio.run(then_release_signals(serve()))``, then :func:`leave_on_signals`),
+    not for a library call: the process's stop signals keep ``handler`` afterwards."""
     try:
         return await main
     finally:
