@@ -19,6 +19,7 @@ trained on, and groups/s.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -26,6 +27,7 @@ import socket
 import sqlite3
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from dataclasses import dataclass, field
@@ -237,19 +239,31 @@ class Testnet:
         return {"ports": ports, "init": info, "relays": urls}
 
     def stop(self) -> None:
-        for p in reversed(self.procs):
-            if p.popen.poll() is None:
+        """SIGTERM to every process (each in a session of its own, so its whole group), then up to 20 s for
+        them to exit, SIGKILL past that. A stop signal meanwhile kills the rest at once: it must not cut this
+        short, which would leave them running with nobody to stop them."""
+        previous = _take_stop_signals(lambda _signum, _frame: self._kill_all())
+        try:
+            for p in reversed(self.procs):
+                if p.popen.poll() is None:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(p.popen.pid, signal.SIGTERM)
+            deadline = time.time() + 20
+            for p in self.procs:
                 try:
-                    os.killpg(p.popen.pid, signal.SIGTERM)
-                except ProcessLookupError:
-                    pass
-        deadline = time.time() + 20
+                    p.popen.wait(timeout=max(0.1, deadline - time.time()))
+                except subprocess.TimeoutExpired:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(p.popen.pid, signal.SIGKILL)
+                    p.popen.wait()
+        finally:
+            _restore_signals(previous)
+
+    def _kill_all(self) -> None:
         for p in self.procs:
-            try:
-                p.popen.wait(timeout=max(0.1, deadline - time.time()))
-            except subprocess.TimeoutExpired:
-                os.killpg(p.popen.pid, signal.SIGKILL)
-                p.popen.wait()
+            if p.popen.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(p.popen.pid, signal.SIGKILL)
 
     # --- observing ---------------------------------------------------------------------------------
 
@@ -474,6 +488,28 @@ def plot_rewards(history: list[dict], out: Path) -> Path | None:
     return out
 
 
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+"""What stops a testnet run (SIGHUP: its terminal closed): the network is stopped, then the summary written.
+Its processes run in sessions of their own, so none of these reaches them but through :meth:`Testnet.stop`;
+before, SIGTERM and SIGHUP ended the runner alone and left every process of the network running."""
+
+
+def _take_stop_signals(handler) -> dict:
+    """``handler`` for every stop signal (on the main thread; elsewhere nothing changes); the previous ones."""
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    return {sig: signal.signal(sig, handler) for sig in STOP_SIGNALS}
+
+
+def _restore_signals(previous: dict) -> None:
+    for sig, handler in previous.items():
+        signal.signal(sig, handler)
+
+
+def _interrupt(signum, _frame) -> None:
+    raise KeyboardInterrupt(signal.Signals(signum).name)
+
+
 def run(cfg: TestnetConfig, run_dir: Path, *, live: bool, as_json: bool, wan: WanPlan | None = None,
         swarm: bool = False) -> int:
     net = Testnet(cfg, run_dir, wan=wan, swarm=swarm)
@@ -482,12 +518,13 @@ def run(cfg: TestnetConfig, run_dir: Path, *, live: bool, as_json: bool, wan: Wa
     snap: dict = {}
     watch: BroadcastWatch | None = None
     settled: dict = {}
+    console_live = None
+    previous = _take_stop_signals(_interrupt)  # SIGTERM and SIGHUP as Ctrl-C: the network is stopped first
     try:
         if not as_json:
             print(f"starting the testnet in {run_dir} (first start builds version 0: ~10-60 s)", file=sys.stderr)
         started = net.start()
         watch = net.broadcast_watch(started["relays"]["origin"])
-        console_live = None
         if live:
             from rich.live import Live
 
@@ -530,12 +567,14 @@ def run(cfg: TestnetConfig, run_dir: Path, *, live: bool, as_json: bool, wan: Wa
             if elapsed > cfg.timeout_s:
                 print(f"timed out after {cfg.timeout_s:.0f}s", file=sys.stderr)
                 break
+    except KeyboardInterrupt as exc:
+        print(f"interrupted ({exc or 'SIGINT'}); stopping the testnet", file=sys.stderr)
+    finally:
+        _take_stop_signals(lambda _signum, _frame: net._kill_all())  # from here a signal cannot cut the stop short
         if console_live is not None:
             console_live.stop()
-    except KeyboardInterrupt:
-        print("interrupted; stopping the testnet", file=sys.stderr)
-    finally:
         net.stop()
+        _restore_signals(previous)
     if watch is not None:
         watch.poll()  # the versions that arrived in the last second
     summary = {**net.summary(snap, time.time() - t0, watch), **settled}
