@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import dataclasses
 import functools
 import json
@@ -478,8 +479,10 @@ class Database:
                     values = op.together[0](self.conn, [o.together[1] for o in ops])
                     results.extend((o, True, v) for o, v in zip(ops, values, strict=True))
         except BaseException as exc:  # re-raised, retried with savepoints, or handed to the caller
-            if store_pg.is_transient(exc) or not isinstance(exc, Exception):
-                raise  # a deadlock victim runs again whole (_run_batch); an interrupt is not the op's fault
+            if store_pg.is_transient(exc) or isinstance(exc, StoreUnavailable) or not isinstance(exc, Exception):
+                # A deadlock victim runs again whole (_commit); an interrupt, or the server gone or silent, is not
+                # the op's fault: every op of the batch gets it (a ROLLBACK here would only hide it behind its own).
+                raise
             self.conn.execute("ROLLBACK")
             if len(batch) == 1:  # the op was the whole transaction: nothing to keep
                 return [(batch[0], False, exc)]
@@ -496,8 +499,8 @@ class Database:
             try:
                 value = op.fn(self.conn)
             except BaseException as exc:  # re-raised, or handed to the caller: never swallowed
-                if store_pg.is_transient(exc):
-                    raise  # not this op's fault: the whole batch runs again (see _run_batch)
+                if store_pg.is_transient(exc) or isinstance(exc, StoreUnavailable):
+                    raise  # not this op's fault: the whole batch runs again (_commit), or fails whole
                 self.conn.execute("ROLLBACK TO op")
                 self.conn.execute("RELEASE op")
                 results.append((op, False, exc))
@@ -614,16 +617,29 @@ class Database:
         except Exception as exc:  # noqa: BLE001 - handed to the caller beside first's result
             return value, None, exc
 
-    def close(self) -> None:
+    def close(self, timeout: float = 30.0) -> bool:
+        """Stop the writer once everything it was handed is committed (or failed), then the reader, and close
+        the connections. False, with nothing closed, when either is still busy after ``timeout`` seconds (a
+        statement PostgreSQL has not answered yet, see ``store_pg.ANSWER_TIMEOUT_S``): the caller leaves them
+        behind, which is safe, since nothing they have not committed was acknowledged. Closing a connection
+        under a thread still using it could crash the process."""
         with self._closing:
             if self._closed:
-                return
+                return True
             self._closed = True
             self._q.put(None)
-        self._thread.join(timeout=30)
+        deadline = time.monotonic() + timeout
+        self._thread.join(timeout)
+        idle = self._reader.submit(lambda: None)  # done once the reader has finished what it had
+        with contextlib.suppress(concurrent.futures.TimeoutError):
+            idle.result(timeout=max(0.0, deadline - time.monotonic()))
+        if self._thread.is_alive() or not idle.done():
+            self._reader.shutdown(wait=False, cancel_futures=True)
+            return False
         self._reader.shutdown(wait=True)
         for conn in [*self._reader_conns, self.conn]:
             conn.close()
+        return True
 
 
 # --- operations: plain functions of a connection, composed by the callers ----------------------

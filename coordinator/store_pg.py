@@ -31,6 +31,7 @@ try:
     from psycopg import errors as pg_errors
     from psycopg import pq
     from psycopg.adapt import PyFormat, Transformer
+    from psycopg.conninfo import conninfo_to_dict
 except ImportError:  # only a coordinator configured with a postgresql:// database needs it
     psycopg = None
 
@@ -487,6 +488,20 @@ RECONNECT_EVERY_S = 0.5
 """While the server is down, a new connection is tried at most this often: every statement in between
 fails at once rather than waiting on a connect."""
 
+ANSWER_TIMEOUT_S = 30.0
+"""The longest the store waits on PostgreSQL for one answer (a statement's, a pipeline's, a prepare's). The
+store's statements take milliseconds; a server that answers nothing for this long (hung, stopped, a
+network path that drops packets without a reset, where TCP would wait for hours) gets the connection
+closed and StoreUnavailable, as a restart does, instead of a thread blocked on it for good."""
+
+CONNECT_TIMEOUT_S = 10
+"""libpq's ``connect_timeout`` when the URL sets none: a new connection to a server that accepts and then
+says nothing fails after this long instead of never."""
+
+
+class _NoAnswer(Exception):
+    """PostgreSQL said nothing within ANSWER_TIMEOUT_S."""
+
 
 class PgConnection:
     """The part of ``sqlite3.Connection`` the store uses, on one psycopg connection in autocommit mode
@@ -514,8 +529,9 @@ class PgConnection:
         self._begin: str | None = None  # a BEGIN not sent yet: it goes with its transaction's first statement
 
     def _open(self):
+        extra = {} if "connect_timeout" in conninfo_to_dict(self._url) else {"connect_timeout": CONNECT_TIMEOUT_S}
         try:
-            return psycopg.connect(self._url, autocommit=True, row_factory=_row_factory)
+            return psycopg.connect(self._url, autocommit=True, row_factory=_row_factory, **extra)
         except psycopg.OperationalError as exc:
             self._next_attempt = time.monotonic() + RECONNECT_EVERY_S
             raise StoreUnavailable(f"PostgreSQL is unreachable: {first_line(exc)}") from exc
@@ -549,6 +565,12 @@ class PgConnection:
                 self._slot_claimed_on = conn
                 conn.execute(CLAIM_SLOT)
             return run(conn)
+        except _NoAnswer:
+            # What was sent may or may not run: the session goes, and with it any transaction it was in (the
+            # transaction stays marked until its COMMIT/ROLLBACK, as for a lost connection).
+            conn.close()
+            raise StoreUnavailable(f"PostgreSQL did not answer within {ANSWER_TIMEOUT_S:.0f} s; the connection was "
+                                   f"closed") from None
         except psycopg.Error as exc:
             if conn.broken or conn.closed:  # the transaction, if any, stays marked until its COMMIT/ROLLBACK
                 raise StoreUnavailable(f"the connection to PostgreSQL was lost: {first_line(exc)}") from exc
@@ -581,16 +603,34 @@ class PgConnection:
         Types and errors are psycopg's (its dumpers for uncommon types, its loaders, its exception classes)."""
         pg = conn.pgconn
         if not params:
-            res = pg.exec_(statement(sql))
+            pg.send_query(statement(sql))
         else:
             values, types, formats = dump_params(params, self._tx)
             name = self._prepared_name(pg, sql, types)
             if name is None:
-                res = pg.exec_params(statement(sql), values, types, formats)
+                pg.send_query_params(statement(sql), values, types, formats)
             else:
-                res = pg.exec_prepared(name, values, formats)
+                pg.send_query_prepared(name, values, formats)
+        res = _last(self._answers(pg))
         self._check(res)
         return self._result(res)
+
+    def _answers(self, pg) -> list:
+        """The results of what was sent on ``pg`` (libpq's asynchronous calls, as a blocking call would run them
+        but for the wait): sent, then read until the server said all, with the GIL released while waiting and
+        no wait longer than ANSWER_TIMEOUT_S (_NoAnswer)."""
+        deadline = time.monotonic() + ANSWER_TIMEOUT_S
+        while pg.flush():
+            _wait(pg, deadline, write=True)
+        results = []
+        while True:
+            while pg.is_busy():
+                _wait(pg, deadline)
+                pg.consume_input()
+            res = pg.get_result()
+            if res is None:
+                return results
+            results.append(res)
 
     def _prepared_name(self, pg, sql: str, types: tuple[int, ...]) -> bytes | None:
         """The server-side name of ``sql`` with parameters of ``types`` on this session, prepared now if it is
@@ -599,7 +639,8 @@ class PgConnection:
         name = self._prepared.get(key)
         if name is None and len(self._prepared) < PREPARED_MAX:
             name = b"veriroll_%d" % len(self._prepared)
-            self._check(pg.prepare(name, statement(sql), types))
+            pg.send_prepare(name, statement(sql), types)
+            self._check(_last(self._answers(pg)))
             self._prepared[key] = name
         return name
 
@@ -629,11 +670,12 @@ class PgConnection:
                 else:
                     pg.send_query_prepared(name, values, formats)
             pg.pipeline_sync()
+            deadline = time.monotonic() + ANSWER_TIMEOUT_S
             while pg.flush():  # the connection does not block: wait (GIL released) until it can write
-                select.select([], [pg.socket], [])
+                _wait(pg, deadline, write=True)
             while True:
                 while pg.is_busy():  # wait for PostgreSQL with the GIL released, as a blocking call would
-                    select.select([pg.socket], [], [])
+                    _wait(pg, deadline)
                     pg.consume_input()
                 res = pg.get_result()
                 if res is None:  # the end of one statement's results
@@ -720,6 +762,22 @@ class PgConnection:
 
     def close(self) -> None:
         self._conn.close()
+
+
+def _wait(pg, deadline: float, *, write: bool = False) -> None:
+    """Until ``pg``'s socket can be read (written), at most until ``deadline`` (then _NoAnswer)."""
+    sock = [pg.socket]
+    ready = select.select([] if write else sock, sock if write else [], [], max(0.0, deadline - time.monotonic()))
+    if not (ready[0] or ready[1]):
+        raise _NoAnswer
+
+
+def _last(results: list):
+    """What a blocking call answers for them: the first error, else the last result."""
+    for res in results:
+        if res.status not in ANSWERED:
+            return res
+    return results[-1]
 
 
 @functools.lru_cache(maxsize=4096)

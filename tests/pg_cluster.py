@@ -8,9 +8,11 @@ durability is PostgreSQL's own (the store commits before it answers, as on SQLit
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import os
 import shutil
+import signal
 import subprocess
 import tempfile
 import uuid
@@ -67,6 +69,22 @@ class Cluster:
         """``pg_ctl restart -m fast``: every client's connection is closed under it."""
         self._run("pg_ctl", "-D", str(self.data), "-l", str(self.dir / "log"), "-m", "fast", "-w", "restart",
                   "-o", f"-k {self.sock} -h '' -F -c max_connections=200")
+
+    def freeze(self) -> list[int]:
+        """SIGSTOP the server and every backend: it accepts connections and reads nothing, answers nothing (a
+        hung server, or a network path that drops packets without a reset). The pids, for :meth:`thaw`."""
+        import psutil
+
+        master = psutil.Process(int((self.data / "postmaster.pid").read_text().split()[0]))
+        pids = [master.pid, *(p.pid for p in master.children(recursive=True))]
+        for pid in pids:
+            os.kill(pid, signal.SIGSTOP)
+        return pids
+
+    def thaw(self, pids: list[int]) -> None:
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
 
     def _run(self, tool: str, *args: str) -> None:
         subprocess.run([*self._prefix, str(self.bin / tool), *args], check=True, capture_output=True, timeout=120)

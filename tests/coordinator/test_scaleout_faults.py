@@ -33,6 +33,7 @@ from test_edges import (
 from test_server import shaped_group
 
 from veriroll.coordinator import store as st
+from veriroll.coordinator import store_pg
 from veriroll.protos.identity import PrivateKey
 from veriroll.protos.reasons import Reason
 from veriroll.protos.service import CallError, SignedStub, secure_channel
@@ -116,7 +117,89 @@ def test_a_postgres_store_refuses_while_the_server_is_down_and_reconnects_by_its
     assert len(failures) < 50 and all(isinstance(f, st.StoreUnavailable) for f in failures)
 
 
+def test_a_postgres_server_that_stops_answering_is_unavailable_not_a_hang_and_close_does_not_wait_on_it(
+        faulty_pg, monkeypatch):
+    """A hung server (every PostgreSQL process stopped: connections accepted, nothing answered; TCP to a dead
+    path looks the same for hours): a statement fails StoreUnavailable after ANSWER_TIMEOUT_S, its session
+    closed, a new connection after CONNECT_TIMEOUT_S, and nothing of the failed transaction is committed;
+    once the server answers the store goes on by itself. Closing the store while its writer still waits on
+    the server returns False at its timeout, with nothing closed under the writer, which then finishes."""
+    monkeypatch.setattr(store_pg, "ANSWER_TIMEOUT_S", 1.0)
+    monkeypatch.setattr(store_pg, "CONNECT_TIMEOUT_S", 2)
+    db = st.Database(faulty_pg.new_database())
+    frozen: list[int] = []
+    try:
+        db.run_sync(lambda c: st.kv_set(c, "before", 1))
+        frozen = faulty_pg.freeze()
+        with pytest.raises(st.StoreUnavailable, match="did not answer within 1 s"):
+            db.run_sync(lambda c: st.kv_set(c, "while_hung", 1))
+        with pytest.raises(st.StoreUnavailable):  # the reader's first connection: libpq's connect_timeout
+            db.read(lambda c: st.kv_get(c, "before")).result(timeout=60)
+        faulty_pg.thaw(frozen)
+        for _ in range(100):  # reconnects are tried at most every RECONNECT_EVERY_S
+            try:
+                values = db.read(lambda c: [st.kv_get(c, k) for k in ("before", "while_hung")]).result(timeout=60)
+                break
+            except st.StoreUnavailable:
+                time.sleep(0.1)
+        assert values == [1, None]  # the timed-out transaction was never committed
+        db.run_sync(lambda c: st.kv_set(c, "after", 1))  # the writer's connection is open again
+        monkeypatch.setattr(store_pg, "ANSWER_TIMEOUT_S", 60.0)
+        frozen = faulty_pg.freeze()
+        waiting = db.submit(lambda c: st.kv_set(c, "held", 1))
+        time.sleep(0.5)  # the writer has sent it and waits
+        assert db.close(timeout=1.0) is False and not waiting.done()
+        faulty_pg.thaw(frozen)
+        waiting.result(timeout=60)  # the writer was left alone and finished: committed, answered
+    finally:
+        faulty_pg.thaw(frozen)
+        db.close()
+    check = st.Database(db.path)
+    try:
+        assert check.read(lambda c: [st.kv_get(c, k) for k in ("after", "held")]).result(timeout=60) == [1, 1]
+    finally:
+        check.close()
+
+
 # --- real edge processes ---------------------------------------------------------------------------------------
+
+
+def test_sigterm_stops_an_edge_whose_postgres_server_stopped_answering(faulty_pg, tmp_path):
+    """Before, the edge logged "shutting down" and never exited: its store's writer waited on the hung server
+    for good and the stop waited on the writer. Now the store gets until the stop's deadline, then is left
+    behind (nothing it had not committed was acknowledged) and the process exits 0."""
+    base = make_coordinator_dir(tmp_path, {"database": faulty_pg.new_database()})
+    grpc_port, http_port = free_port(), free_port()
+    edge = start(base, tmp_path / "edge.log", "--role=edge", f"server.port={grpc_port}", f"server.http_port={http_port}")
+    frozen: list[int] = []
+    try:
+        wait_http(http_port, edge, tmp_path / "edge.log")
+        ca = (base / "tls" / "ca.crt").read_bytes()
+
+        async def register(node: Node) -> None:
+            await node.stub.call("Register", pb.RegisterRequest(public_key=node.key.public.raw, software_version="test"),
+                                 timeout=3)
+
+        async def scenario():
+            first, second = Node(f"127.0.0.1:{grpc_port}", ca), Node(f"127.0.0.1:{grpc_port}", ca)
+            await register(first)
+            frozen.extend(faulty_pg.freeze())
+            with pytest.raises(CallError) as info:  # its write waits on the server past the call's deadline
+                await register(second)
+            await first.close()
+            await second.close()
+            return info.value.code
+
+        assert asyncio.run(scenario()) == grpc.StatusCode.DEADLINE_EXCEEDED
+        edge.send_signal(signal.SIGTERM)
+        edge.wait(60)  # hang guard: before the change it never exited
+    finally:
+        faulty_pg.thaw(frozen)
+        if edge.poll() is None:
+            edge.kill()
+    log = (tmp_path / "edge.log").read_text()
+    assert edge.returncode == 0, log[-3000:]
+    assert "the store still waits on the database" in log and "left behind" in log, log[-3000:]
 
 
 def test_an_edge_refuses_store_unavailable_while_postgres_is_down_then_serves_the_same_node(faulty_pg, tmp_path):
