@@ -246,6 +246,9 @@ def idle_and_slowloris(quick: bool = True) -> dict:
 
 
 def main() -> None:
+    from procs import sigterm_as_interrupt  # a sibling script (not needed where this is imported)
+
+    sigterm_as_interrupt()  # so the finally blocks below stop what this started
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="520 flood connections, 100 idle ones")
     args = ap.parse_args()

@@ -307,6 +307,9 @@ def oversized_flood(quick: bool = True) -> dict:
 
 
 def main() -> int:
+    from procs import sigterm_as_interrupt  # a sibling script (not needed where this is imported)
+
+    sigterm_as_interrupt()  # so the finally blocks below stop what this started
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="fewer connections and flood rounds (under two minutes)")
     ap.add_argument("--idle-timeout-s", type=float, default=5.0,

@@ -65,6 +65,8 @@ def client_main(port: int, channels: int, rate: float, start_at: float, stop_at:
 
 
 def main() -> int:
+    from procs import sigterm_as_interrupt  # a sibling script (not needed where this is imported)
+
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--channels", default="8,500", help="comma-separated connection counts")
     ap.add_argument("--rate", type=float, default=300.0, help="calls/s offered in all")
@@ -74,6 +76,7 @@ def main() -> int:
     if args.client:
         port, channels, rate, start_at, stop_at, ca = args.client
         return client_main(int(port), int(channels), float(rate), float(start_at), float(stop_at), ca)
+    sigterm_as_interrupt()  # so the finally blocks below stop what this started
 
     import psutil
     from intake import ECHO_SERVER

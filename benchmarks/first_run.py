@@ -149,6 +149,9 @@ def install_mb() -> dict:
 
 
 def main() -> int:
+    from procs import sigterm_as_interrupt  # a sibling script (not needed where this is imported)
+
+    sigterm_as_interrupt()  # so the finally blocks below stop what this started
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="a 2-minute honest run instead of 10")
     ap.add_argument("--skip-install", action="store_true", help="leave out the install resolution (needs the registry)")

@@ -172,6 +172,9 @@ def cpu_seconds(pid: int) -> float:
 
 
 def main() -> int:
+    from procs import sigterm_as_interrupt  # a sibling script (not needed where this is imported)
+
+    sigterm_as_interrupt()  # so the finally blocks below stop what this started
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="short run (under a minute)")
     ap.add_argument("--clients", type=int, default=32)

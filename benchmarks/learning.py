@@ -29,7 +29,7 @@ from pathlib import Path
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-from procs import stop_processes
+from procs import sigterm_as_interrupt, stop_processes
 
 from veriroll.coordinator import store as st
 
@@ -89,6 +89,7 @@ def plot(history: list[dict], target: float, path: Path) -> None:
 
 
 def main() -> None:
+    sigterm_as_interrupt()  # so the finally blocks below stop what this started (procs.py)
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="give up after 4 minutes instead of 15")
     parser.add_argument("--max-seconds", type=float, default=None, help="time limit of the RL run")

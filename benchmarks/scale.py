@@ -354,16 +354,21 @@ def start_coordinator(base: Path, role: str, grpc_port: int, http_port: int, env
                              "--role", role, "--set", f"server.port={grpc_port}",
                              "--set", f"server.http_port={http_port}"], env=env)
     deadline = time.time() + 120
-    while True:
-        if proc.poll() is not None or time.time() > deadline:
+    try:
+        while True:
+            if proc.poll() is not None or time.time() > deadline:
+                raise RuntimeError(f"coordinator role {role} did not start (exit code {proc.poll()})")
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/healthz", timeout=2) as r:
+                    if r.status == 200:
+                        return proc
+            except OSError:
+                time.sleep(0.2)
+    except BaseException:  # not started, or interrupted while it starts: the caller does not know it yet
+        if proc.poll() is None:
             proc.kill()
-            raise RuntimeError(f"coordinator role {role} did not start (exit code {proc.poll()})")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/healthz", timeout=2) as r:
-                if r.status == 200:
-                    return proc
-        except OSError:
-            time.sleep(0.2)
+            proc.wait(timeout=10)
+        raise
 
 
 def process_tree_cpu(pid: int) -> dict[int, float]:
@@ -906,10 +911,13 @@ def child_figures(script: str, quick: bool, keys: tuple[str, ...]) -> dict:
 
 
 def main() -> int:
+    from procs import sigterm_as_interrupt  # a sibling script (not needed where this is imported)
+
     from veriroll.coordinator.event_loop import loop_runner
 
     if len(sys.argv) == 3 and sys.argv[1] == "--worker":
         return worker_main(sys.argv[2])
+    sigterm_as_interrupt()  # so the finally blocks below stop what this started
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="50, 100 and 200 nodes, short windows (under two minutes)")
     ap.add_argument("--scales", default="100,300,1000", help="comma-separated node counts")

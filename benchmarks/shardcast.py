@@ -58,7 +58,7 @@ from pathlib import Path
 
 import aiohttp
 import psutil
-from procs import stop_processes
+from procs import sigterm_as_interrupt, stop_processes
 
 from veriroll.protos.identity import write_keypair
 from veriroll.shardcast.errors import NoRelayReachableError, VersionGoneError
@@ -313,6 +313,7 @@ def measure_single(args, work: Path, origin_store: Path, relay_url: str, key_pub
 
 
 def main() -> None:
+    sigterm_as_interrupt()  # so the finally blocks below stop what this started (procs.py)
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="64 MiB, 4 clients, 5 repeats")
     ap.add_argument("--size-mib", type=int, default=256)

@@ -31,7 +31,7 @@ from pathlib import Path
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 HERE = Path(__file__).resolve()
 sys.path.insert(0, str(HERE.parents[1] / "tests"))
-from procs import stop_processes  # noqa: E402 - a sibling script
+from procs import sigterm_as_interrupt, stop_processes  # noqa: E402 - a sibling script
 
 START_GUARD_S = 180  # processes import torch on a shared machine
 DISTINCT_GROUPS = 8  # generated once, each queued for several leases (same cost to verify)
@@ -149,6 +149,7 @@ def drain(base: Path, db, groups, workers: int, args, log_dir: Path) -> dict:
 
 
 def main() -> int:
+    sigterm_as_interrupt()  # so the finally blocks below stop what this started (procs.py)
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="200 jobs of 8 x 64 tokens per setting (under three minutes)")
     ap.add_argument("--jobs", type=int, default=300, help="groups queued per setting")
