@@ -172,9 +172,8 @@ def _leave_on_signal(_signum, _frame) -> None:
 
 def _release_signals(loop: asyncio.AbstractEventLoop) -> None:
     """Take SIGINT and SIGTERM back from ``loop`` before it closes: one more signal from here on leaves at
-    once (protos/signals.py says why; ``loop`` resets them to their defaults when it closes, and ``cmd_run``
-    sets this handler again then)."""
-    release_signals(_leave_on_signal)
+    once (protos/signals.py says why)."""
+    release_signals(_leave_on_signal, loop)
 
 
 async def _run(cfg: NodeConfig, console=None, hw=None, ran: dict | None = None, early: dict | None = None) -> int:

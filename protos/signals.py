@@ -17,6 +17,7 @@ leaves the process at once, quietly.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import signal
@@ -38,25 +39,30 @@ def leave_now(_signum=None, _frame=None) -> None:
     os._exit(0)
 
 
-def release_signals(handler: Callable = leave_now) -> None:
-    """Give SIGINT and SIGTERM to ``handler`` and clear the signal wakeup fd (the loop's self-pipe, about to
-    be closed). Off the main thread, where no loop could take them either, nothing changes.
+def release_signals(handler: Callable = leave_now, loop: asyncio.AbstractEventLoop | None = None) -> None:
+    """Give SIGINT and SIGTERM to ``handler`` and make the running loop (or ``loop``) forget them, so that it
+    neither writes them to its self-pipe (asyncio closes that before it removes its handlers) nor resets
+    them to their defaults when it closes. Off the main thread, where no loop could take them, nothing changes.
 
-    The process-level handler stays installed throughout: only the Python-level one changes. Removing the
-    loop's handlers (``loop.remove_signal_handler``) instead resets each signal to its default first, and a
-    SIGTERM in that instant ended the process by the signal (status -15; seen when a second signal followed
-    the first closely), a SIGINT raised KeyboardInterrupt. The loop keeps its record of them and resets both
-    to their defaults when it closes: the command sets ``handler`` again once its loop is closed
-    (:func:`leave_on_signals`)."""
+    ``handler`` goes in first: only the Python-level handler changes, so a signal from here on is
+    ``handler``'s. Removing the loop's handler then resets the signal to its default for the few
+    microseconds until ``handler`` is set again; signals are not held back meanwhile, since a blocked main
+    thread only diverts a signal to another thread, where its default action applies (seen: a SIGTERM so
+    diverted ended the process, status -15, in 1 of 3 runs of a test whose second signal closely followed
+    the first). Leaving the loop its handlers instead (set only ours) let its close reset them: a second
+    Ctrl-C right after then raised KeyboardInterrupt (status -2, seen once in the suite)."""
     if threading.current_thread() is not threading.main_thread():
         return
+    loop = loop or asyncio.get_running_loop()
     for sig in STOP_SIGNALS:
         signal.signal(sig, handler)
-    signal.set_wakeup_fd(-1)
+        with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
+            loop.remove_signal_handler(sig)  # the last one removed also clears asyncio's wakeup fd
+        signal.signal(sig, handler)
 
 
 def leave_on_signals(handler: Callable = leave_now) -> None:
-    """SIGINT and SIGTERM to ``handler`` (once a command's event loop has closed)."""
+    """SIGINT and SIGTERM to ``handler`` (where no event loop has them: before one runs, after it closed)."""
     if threading.current_thread() is threading.main_thread():
         for sig in STOP_SIGNALS:
             signal.signal(sig, handler)
