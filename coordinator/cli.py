@@ -275,7 +275,7 @@ def cmd_run(args) -> int:
         signal.signal(sig, lambda *_: stop.set())
     from veriroll.coordinator.app import CannotListen, DirectoryInUse, load_coordinator_config, serve_forever
     from veriroll.coordinator.event_loop import loop_runner
-    from veriroll.protos.signals import leave_on_signals, then_release_signals
+    from veriroll.protos.signals import then_release_signals
 
     _threads(1)
     logging.basicConfig(level=getattr(logging, args.log_level.upper()), format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -288,8 +288,6 @@ def cmd_run(args) -> int:
     except (FileNotFoundError, ConfigError, DirectoryInUse, CannotListen) as exc:
         print(f"coordinator run: {exc}", file=sys.stderr)
         return 2
-    finally:
-        leave_on_signals()  # the closed loop reset them to their defaults
 
 
 def _threads(n: int) -> None:

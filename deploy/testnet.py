@@ -570,10 +570,9 @@ def run(cfg: TestnetConfig, run_dir: Path, *, live: bool, as_json: bool, wan: Wa
     except KeyboardInterrupt as exc:
         print(f"interrupted ({exc or 'SIGINT'}); stopping the testnet", file=sys.stderr)
     finally:
-        _take_stop_signals(lambda _signum, _frame: net._kill_all())  # from here a signal cannot cut the stop short
         if console_live is not None:
             console_live.stop()
-        net.stop()
+        net.stop()  # takes the stop signals itself: one meanwhile cannot cut it short
         _restore_signals(previous)
     if watch is not None:
         watch.poll()  # the versions that arrived in the last second

@@ -35,7 +35,7 @@ import signal
 import time
 from dataclasses import dataclass, field
 
-from veriroll.protos.signals import leave_on_signals, then_release_signals
+from veriroll.protos.signals import then_release_signals
 
 CHUNK = 64 * 1024  # bytes read at a time: 5 ms at 100 Mbit/s, so the delay and the rate stay smooth
 QUEUE_CHUNKS = 256  # chunks in flight per direction: a 100 ms pipe at 1 Gbit/s fits
@@ -279,10 +279,7 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     with open(args.spec) as fh:
         spec = json.load(fh)
-    try:
-        asyncio.run(then_release_signals(serve(spec)))  # once serving is over, one more signal leaves at once
-    finally:
-        leave_on_signals()  # the closed loop reset them to their defaults
+    asyncio.run(then_release_signals(serve(spec)))  # once serving is over, one more signal leaves at once
 
 
 if __name__ == "__main__":

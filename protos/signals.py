@@ -11,8 +11,8 @@ signal in between had the interpreter print "Exception ignored when trying to wr
 fd: ... Bad file descriptor" with a traceback.
 
 :func:`then_release_signals` runs the main coroutine and, however it ends, takes both signals from the loop
-while it still runs, and :func:`leave_on_signals` once it has closed: from then on one more stop signal
-leaves the process at once, quietly.
+while it still runs (the loop forgets them, so its close leaves them alone): from then on one more stop
+signal leaves the process at once, quietly.
 """
 
 from __future__ import annotations
@@ -70,8 +70,8 @@ def leave_on_signals(handler: Callable = leave_now) -> None:
 
 async def then_release_signals(main: Awaitable[T], handler: Callable = leave_now) -> T:
     """``await main``; then, however it ended and while its loop still runs, :func:`release_signals`. For a
-    command's entry point (``asyncio.run(then_release_signals(serve()))``, then :func:`leave_on_signals`),
-    not for a library call: the process's stop signals keep ``handler`` afterwards."""
+    command's entry point (``asyncio.run(then_release_signals(serve()))``), not for a library call: the
+    process's stop signals keep ``handler`` afterwards."""
     try:
         return await main
     finally:

@@ -27,7 +27,7 @@ import json
 import logging
 import sys
 
-from veriroll.protos.signals import leave_on_signals, then_release_signals
+from veriroll.protos.signals import then_release_signals
 
 from . import relay
 from .errors import ShardcastError, exit_code_of
@@ -191,8 +191,6 @@ def cmd_relay_run(args: argparse.Namespace) -> int:
         return _fail(exc)
     except KeyboardInterrupt:
         return 0
-    finally:
-        leave_on_signals()  # the closed loop reset them to their defaults
     return 0
 
 
