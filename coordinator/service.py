@@ -58,6 +58,46 @@ def now_ms() -> int:
     return int(time.time() * 1000)
 
 
+class StoreOutageLog:
+    """What the serving path tells the operator while the store cannot serve it (PostgreSQL down, the disk
+    full): nodes are answered ``store_unavailable`` and retry; the log gets the reason at once, then at most
+    one line every ``every_s`` with the requests refused meanwhile, and one line when a request goes through
+    again. A traceback per request would bury the cause; no line at all would leave a full disk to be found
+    from the nodes' side.
+
+    "Again" means a request served after ``quiet_s`` with none refused: on a nearly full disk some
+    transactions still fit while others fail, and reads go through all along."""
+
+    def __init__(self, every_s: float = 10.0, quiet_s: float = 2.0, clock: Callable[[], float] = time.monotonic):
+        self.every_s = every_s
+        self.quiet_s = quiet_s
+        self.clock = clock
+        self.down_since: float | None = None
+        self._logged_at = self._refused_at = 0.0
+        self._refused = 0  # since the last line
+
+    def refused(self, exc: BaseException) -> None:
+        now = self._refused_at = self.clock()
+        self._refused += 1
+        if self.down_since is None:
+            self.down_since = now
+        elif now - self._logged_at < self.every_s:
+            return
+        log.error("the store is unavailable: %s (%d request(s) answered store_unavailable since the last line; "
+                  "nodes retry)", exc, self._refused)
+        self._logged_at, self._refused = now, 0
+
+    def served(self) -> None:
+        if self.down_since is None:
+            return
+        now = self.clock()
+        if now - self._refused_at < self.quiet_s:
+            return
+        log.warning("the store serves requests again, %.1f s after the first refused (%d more refused since the last "
+                    "line)", self._refused_at - self.down_since, self._refused)
+        self.down_since, self._refused = None, 0
+
+
 class CoordinatorService:
     def __init__(
         self,
@@ -104,6 +144,7 @@ class CoordinatorService:
         self.door = Door(cfg, self.ledger, now, db=db, shared_nonces=st.store_pg.is_url(str(db.path)))
         self.new_identities = NewIdentityLimiter.from_config(cfg.identity, shared_db=db if self.door.shared_nonces else None)
         self.peer_gate = PeerGate(cfg.server.max_inflight_per_address)
+        self.store_outage = StoreOutageLog()
         self._log_identity_policy()
         # Verifier time per node key, address and network: shared by the lease desk (no work for a node
         # whose groups could not be verified now) and the intake (which pays what verification cost).
@@ -169,6 +210,7 @@ class CoordinatorService:
             else:
                 response = await self._handlers[name](node, request)
             self.metrics.requests.inc(method=name, result="ok")
+            self.store_outage.served()
             return response
         except Refusal as refusal:
             self.metrics.requests.inc(method=name, result=refusal.reason.value)
@@ -178,20 +220,29 @@ class CoordinatorService:
                 try:
                     await self.ledger.refuse(node_id or refusal.node_id, refusal.reason, refusal.detail,
                                              log_event=bool(node_id))
-                except st.StoreUnavailable:  # the refusal stands; the store cannot take its row now
+                except st.StoreUnavailable as exc:  # the refusal stands; the store cannot take its row now
+                    self.store_outage.refused(exc)
+                    self.ledger.counted(node_id or refusal.node_id, refusal.reason)
+                except Exception:  # a bug recording it: logged; the refusal stands, counted
+                    log.exception("recording a %s refusal failed", refusal.reason.value)
                     self.ledger.counted(node_id or refusal.node_id, refusal.reason)
                 refusal.counted = True
             raise
         except st.StoreUnavailable as exc:  # counted in the metrics only: the store cannot take the row now
             self.metrics.requests.inc(method=name, result=Reason.STORE_UNAVAILABLE.value)
             self.ledger.counted(node_id, Reason.STORE_UNAVAILABLE)
+            self.store_outage.refused(exc)
             raise Refusal(Reason.STORE_UNAVAILABLE, f"{exc}; retry in about 2 s", counted=True) from exc
         # Blind on purpose: any bug below the door is answered as a counted `internal` refusal (logged with
         # its traceback); nothing was accepted.
         except Exception as exc:
             log.exception("internal error in %s", name)
             self.metrics.requests.inc(method=name, result=Reason.INTERNAL.value)
-            await self.ledger.refuse(node_id, Reason.INTERNAL, f"internal error in {name}")
+            try:
+                await self.ledger.refuse(node_id, Reason.INTERNAL, f"internal error in {name}")
+            except Exception:  # the store failed too: logged; the refusal stands, counted in the metrics
+                log.exception("recording the internal error in %s failed too", name)
+                self.ledger.counted(node_id, Reason.INTERNAL)
             raise Refusal(Reason.INTERNAL, counted=True) from exc
 
     async def _read_body(self, read: Callable[[], Awaitable[bytes | None]]) -> bytes:
@@ -346,6 +397,7 @@ class CoordinatorService:
         """The lease answer of an accepted group whose lease failed: counted, and retried by the node later."""
         if isinstance(exc, st.StoreUnavailable):
             self.metrics.requests.inc(method="SubmitGroup.next_leases", result=Reason.STORE_UNAVAILABLE.value)
+            self.store_outage.refused(exc)
             return pb.LeaseResponse(retry_after_ms=2000, wait_reason=Reason.STORE_UNAVAILABLE.value)
         # Any bug here is logged and counted; the accepted group stands.
         log.error("internal error leasing after an accepted group", exc_info=exc)

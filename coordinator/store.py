@@ -34,6 +34,7 @@ from veriroll.coordinator import store_pg
 T = TypeVar("T")
 A = TypeVar("A")
 DB_ERRORS: tuple[type[BaseException], ...] = (sqlite3.Error, *store_pg.errors())
+StoreUnavailable = store_pg.StoreUnavailable
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS nodes (
@@ -369,6 +370,42 @@ def _answer(results: list[tuple[_Op, bool, Any]]) -> None:
 TRANSIENT_RETRIES = 3
 """How often the writer runs a batch again after PostgreSQL broke a deadlock by rolling it back."""
 
+SQLITE_UNAVAILABLE = {
+    5: "another process holds the database's lock (SQLITE_BUSY)",
+    6: "the database is locked (SQLITE_LOCKED)",
+    7: "SQLite is out of memory (SQLITE_NOMEM)",
+    8: "the database cannot be written: a read-only file, directory or filesystem (SQLITE_READONLY)",
+    10: "the disk holding the database failed to read or write (SQLITE_IOERR)",
+    13: "the disk holding the database is full (SQLITE_FULL)",
+    14: "the database file cannot be opened (SQLITE_CANTOPEN)",
+}
+"""SQLite's primary result codes that are the machine's state, not the operation's: a full disk, an I/O error,
+a read-only filesystem, another process holding the lock past ``busy_timeout``. The store raises them as
+:class:`StoreUnavailable` ("unavailable, retry", counted as ``store_unavailable``), never as an internal
+error: the same operation goes through once the operator has freed the disk. Nothing of the failed
+transaction is committed (SQLite rolls it back, or the writer does)."""
+
+
+def unavailable(exc: BaseException) -> StoreUnavailable | None:
+    """``exc`` as the :class:`StoreUnavailable` it amounts to (the store cannot take any operation now, through
+    no fault of the operation: the server gone or silent, a full disk, an I/O error, a read-only file), or
+    None for an error of the operation itself."""
+    if isinstance(exc, StoreUnavailable):
+        return exc
+    if isinstance(exc, sqlite3.Error):
+        why = SQLITE_UNAVAILABLE.get((getattr(exc, "sqlite_errorcode", None) or 0) & 0xFF)
+        if why is not None:
+            out = StoreUnavailable(f"{why}: {exc}; nothing of this operation was committed")
+            out.__cause__ = exc
+            return out
+    return None
+
+
+def _not_the_ops_fault(exc: BaseException) -> bool:
+    """An error on which a batch fails (or runs again) whole rather than an op alone: a deadlock PostgreSQL
+    broke (run again, see ``_commit``), the store unavailable, or an interrupt."""
+    return store_pg.is_transient(exc) or unavailable(exc) is not None or not isinstance(exc, Exception)
+
 
 class Database:
     """Serializes every operation on one connection in one thread, committing queued work together.
@@ -450,6 +487,7 @@ class Database:
                 except DB_ERRORS:
                     pass
                 if not (store_pg.is_transient(exc) and attempt < TRANSIENT_RETRIES):
+                    exc = unavailable(exc) or exc
                     return [(op, False, exc) for op in batch]
                 # A deadlock with another process's writer (PostgreSQL): rolled back whole, nothing of it
                 # committed; this batch's locks are gone, the other transaction goes on, and ours runs again.
@@ -479,9 +517,10 @@ class Database:
                     values = op.together[0](self.conn, [o.together[1] for o in ops])
                     results.extend((o, True, v) for o, v in zip(ops, values, strict=True))
         except BaseException as exc:  # re-raised, retried with savepoints, or handed to the caller
-            if store_pg.is_transient(exc) or isinstance(exc, StoreUnavailable) or not isinstance(exc, Exception):
-                # A deadlock victim runs again whole (_commit); an interrupt, or the server gone or silent, is not
-                # the op's fault: every op of the batch gets it (a ROLLBACK here would only hide it behind its own).
+            if _not_the_ops_fault(exc):
+                # A deadlock victim runs again whole (_commit); an interrupt, or the store unavailable (the server
+                # gone or silent, a full disk), is not the op's fault: every op of the batch gets it (a ROLLBACK
+                # here would only hide it behind its own).
                 raise
             self.conn.execute("ROLLBACK")
             if len(batch) == 1:  # the op was the whole transaction: nothing to keep
@@ -499,8 +538,8 @@ class Database:
             try:
                 value = op.fn(self.conn)
             except BaseException as exc:  # re-raised, or handed to the caller: never swallowed
-                if store_pg.is_transient(exc) or isinstance(exc, StoreUnavailable):
-                    raise  # not this op's fault: the whole batch runs again (_commit), or fails whole
+                if _not_the_ops_fault(exc):
+                    raise  # the whole batch runs again (_commit), or fails whole
                 self.conn.execute("ROLLBACK TO op")
                 self.conn.execute("RELEASE op")
                 results.append((op, False, exc))
@@ -525,7 +564,13 @@ class Database:
             self._reader_conns.append(conn)
         if isinstance(conn, store_pg.PgConnection):
             return conn.read(fn, probe=probe)
-        return fn(conn)
+        try:
+            return fn(conn)
+        except sqlite3.Error as exc:
+            gone = unavailable(exc)
+            if gone is None:
+                raise
+            raise gone from exc
 
     async def run_read(self, fn: Callable[[sqlite3.Connection], T], *, inline: bool = False) -> T:
         """``read`` for a coroutine: the result is set on the caller's loop directly. ``inline``: a short read
@@ -1626,8 +1671,6 @@ def forget_verify_jobs(conn: sqlite3.Connection, finished_before_ms: int) -> int
 # takes a token atomically on both backends (PostgreSQL locks the row for the statement), and a full
 # bucket needs no row: rows are forgotten once full (``forget_full_buckets``), so the table holds only the
 # keys that spent something recently. ``edges`` holds one heartbeat row per live edge process.
-
-StoreUnavailable = store_pg.StoreUnavailable
 
 
 @dataclass(frozen=True)

@@ -574,6 +574,9 @@ class PgConnection:
         except psycopg.Error as exc:
             if conn.broken or conn.closed:  # the transaction, if any, stays marked until its COMMIT/ROLLBACK
                 raise StoreUnavailable(f"the connection to PostgreSQL was lost: {first_line(exc)}") from exc
+            why = unavailable_reason(exc)
+            if why is not None:  # the transaction, if any, is aborted: the caller's ROLLBACK ends it
+                raise StoreUnavailable(f"{why}: {first_line(exc)}") from exc
             raise
 
     @property
@@ -835,6 +838,27 @@ TRANSIENT_SQLSTATES = frozenset({"40P01", "40001"})
 """deadlock_detected and serialization_failure: PostgreSQL rolled the statement back to break a cycle of
 waits between transactions (two edges' writers updating the same rows in different orders); the same
 transaction run again goes through."""
+
+
+UNAVAILABLE_SQLSTATES = {
+    "53": "PostgreSQL is out of a resource (disk, memory or connections)",
+    "58": "PostgreSQL reports a system error (I/O)",
+    "25006": "the PostgreSQL server is read-only (a standby?)",
+    "57P01": "PostgreSQL is shutting down",
+    "57P02": "PostgreSQL is shutting down",
+    "57P03": "PostgreSQL is not accepting connections yet",
+}
+"""Errors that are the server's state, not the statement's (by SQLSTATE, or its two-character class):
+insufficient resources (a full disk, 53100), system errors (I/O, 58030), a read-only server, a shutdown.
+They raise :class:`StoreUnavailable` (the caller answers "unavailable, retry"), never an internal error:
+the same statement goes through once the operator has freed the disk or promoted the server."""
+
+
+def unavailable_reason(exc: BaseException) -> str | None:
+    """Why ``exc`` means the server cannot take the statement now (see ``UNAVAILABLE_SQLSTATES``), or None."""
+    if psycopg is None or not isinstance(exc, psycopg.Error) or not exc.sqlstate:
+        return None
+    return UNAVAILABLE_SQLSTATES.get(exc.sqlstate) or UNAVAILABLE_SQLSTATES.get(exc.sqlstate[:2])
 
 
 def is_transient(exc: BaseException) -> bool:

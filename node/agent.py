@@ -203,7 +203,7 @@ class NodeAgent:
                     if self.stopping.is_set() and err.code == grpc.StatusCode.UNAVAILABLE:
                         raise
                     self.status.connected = err.code != grpc.StatusCode.UNAVAILABLE
-                    self.status.last_error = f"{err.reason}: {err.details}"
+                    self.status.last_error = f"{err.reason}: {err.said}"
                     delay = self._backoff.next()
                     log.warning("coordinator call failed (%s); retrying in %.1fs", err.reason, delay)
                     await self._sleep(delay)
@@ -305,10 +305,10 @@ class NodeAgent:
                 if err.code not in RETRYABLE:
                     raise
                 delay = self._backoff.next()
-                self.status.last_error = f"{err.reason}: {err.details}"
+                self.status.last_error = f"{err.reason}: {err.said}"
                 if err.reason == Reason.NEW_IDENTITY_LIMITED.value:
                     log.warning("the coordinator takes no more new keys from this network now (%s); retrying in %.1fs",
-                                err.details, delay)
+                                err.said, delay)
                 else:
                     log.warning("cannot reach the coordinator at %s (%s); retrying in %.0fs (Ctrl-C to stop)",
                                 self.cfg.coordinator, err.reason, delay)
@@ -369,7 +369,7 @@ class NodeAgent:
                 if err.reason in FATAL_REFUSALS:
                     self._fatal(err)
                     break
-                failing.failed(err.reason, err.details)
+                failing.failed(err.reason, err.said)
             except Exception as exc:  # noqa: BLE001 - a bug here must not stop the heartbeat; logged with its traceback
                 if self.stopping.is_set():  # the channel closed under a call in flight: stopping, not a failure
                     break
@@ -508,7 +508,7 @@ class NodeAgent:
         advice = {"banned": "`veriroll node credits` shows its ledger and why",
                   "key_in_use": "stop the other process, or give this node its own key (veriroll keygen --out PATH)",
                   "node_too_old": "pip install -U veriroll"}[err.reason]
-        log.error("the coordinator refused this node (%s): %s; %s", err.reason, err.details, advice)
+        log.error("the coordinator refused this node (%s): %s; %s", err.reason, err.said, advice)
         self.exit_code = FATAL_REFUSALS[err.reason]
         self.stopping.set()
         self.abandon.set()

@@ -361,16 +361,16 @@ async def check_signed_call(cfg: NodeConfig, key, clock_offset_s: float, timeout
         if err.reason == "clock_skew":
             return CallResult(
                 Check("signed call", OK, "the coordinator answered, but refused the request's timestamp"),
-                Check("clock", FAIL, f"the coordinator refused this machine's clock: {err.details}", NTP_ADVICE,
+                Check("clock", FAIL, f"the coordinator refused this machine's clock: {err.said}", NTP_ADVICE,
                       {"refused": True}))
         skipped = Check("clock", SKIP, "no answer to measure the clock against")
         if err.reason == "banned":
-            return CallResult(Check("signed call", FAIL, f"this key is banned by the coordinator: {err.details}",
+            return CallResult(Check("signed call", FAIL, f"this key is banned by the coordinator: {err.said}",
                                     "see why with `veriroll node credits`; the operator can lift a ban "
                                     "(`veriroll coordinator unban`)"), skipped)
         if err.code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
             return CallResult(Check("signed call", FAIL, f"the coordinator did not answer a signed call ({err.reason}: "
-                                                         f"{err.details})",
+                                                         f"{err.said})",
                                     "the port answers but gRPC does not: check that HOST:PORT is the coordinator's "
                                     "gRPC port and that --ca / --server-name match its TLS"), skipped)
         return CallResult(Check("signed call", FAIL, f"the coordinator refused a signed call: {err}",

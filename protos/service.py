@@ -57,8 +57,13 @@ class CallError(Exception):
     reason: str
     details: str
 
+    @property
+    def said(self) -> str:
+        """The coordinator's words without the reason code they start with on the wire (``reason: ...``)."""
+        return self.details.removeprefix(f"{self.reason}: ") if self.details != self.reason else ""
+
     def __str__(self) -> str:
-        return f"{self.reason} ({self.code.name}): {self.details}"
+        return f"{self.reason} ({self.code.name}): {self.said}"
 
 
 def reason_of(err: grpc.aio.AioRpcError | grpc.RpcError, trailing=None) -> str:
