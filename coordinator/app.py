@@ -11,6 +11,7 @@ import gc
 import json
 import logging
 import os
+import resource
 import signal
 import time
 from dataclasses import dataclass, field
@@ -19,14 +20,16 @@ from pathlib import Path
 from veriroll.coordinator import store as st
 from veriroll.coordinator.config import CoordinatorConfig
 from veriroll.coordinator.http import start_http
-from veriroll.coordinator.limits import release_freed_memory
+from veriroll.coordinator.limits import DescriptorBudget, release_freed_memory
 from veriroll.coordinator.metrics import CoordinatorMetrics
 from veriroll.coordinator.policy import PolicyStore
 from veriroll.coordinator.publisher import ANNOUNCEMENT_KEY, start_publisher
 from veriroll.coordinator.server import read_tls, start_server
 from veriroll.coordinator.service import CoordinatorService, PolicyState
 from veriroll.protos.config import ConfigError, load_config, resolve_path
+from veriroll.protos.descriptors import raise_descriptor_limit
 from veriroll.protos.identity import load_private_key
+from veriroll.shardcast.relay import DEFAULT_MAX_CONNECTIONS, DEFAULT_MAX_TRANSFERS
 from veriroll.shardcast.swarm.hints import PeerDirectory
 
 log = logging.getLogger("veriroll.coordinator")
@@ -117,6 +120,7 @@ class Coordinator:
     stopped: asyncio.Event = field(default_factory=asyncio.Event)
     lock: DirectoryLock | None = None
     verifier_pool: object = None  # a verifier_pool.VerifierPool when this process runs workers of the pool
+    descriptors: DescriptorBudget | None = None  # each port's share of the descriptor limit (set at start)
 
     @property
     def address(self) -> str:
@@ -254,9 +258,22 @@ async def _start_parts(coord: Coordinator, key) -> None:
         raise ConfigError(f"role {role!r} shares its state with other processes: set database to a postgresql:// URL")
     if role == "verifier" and coord.service.verifier is None:
         raise ConfigError("role 'verifier' runs the verification stages: it cannot run with intake.verify = false")
-    # Publisher and origin relay (shardcast) first, so GetPolicy can name them from the first call.
+    # Every port's connections from one descriptor limit, so that a flood of connections to one port cannot
+    # take the descriptors the store, the checkpoints or another port need (limits.DescriptorBudget).
     host = cfg.server.host
-    if cfg.shardcast.origin_port >= 0 and role in ("all", "trainer"):
+    origin = cfg.shardcast.origin_port >= 0 and role in ("all", "trainer")
+    coord.descriptors = budget = DescriptorBudget.plan(
+        resource.getrlimit(resource.RLIMIT_NOFILE)[0], grpc=cfg.server.max_connections if role in ("all", "edge") else 0,
+        http=cfg.server.http_max_connections, origin=(DEFAULT_MAX_CONNECTIONS, DEFAULT_MAX_TRANSFERS) if origin else None)
+    if cfg.server.max_connections > budget.grpc_connections:
+        log.warning("server.max_connections lowered from %d to %d: the descriptor limit is %d (raise it with ulimit -n "
+                    "or LimitNOFILE=)", cfg.server.max_connections, budget.grpc_connections, budget.limit)
+    if cfg.server.http_max_connections > budget.http_connections:
+        log.warning("server.http_max_connections lowered from %d to %d: the descriptor limit is %d",
+                    cfg.server.http_max_connections, budget.http_connections, budget.limit)
+    log.info("%s", budget.summary())
+    # Publisher and origin relay (shardcast) first, so GetPolicy can name them from the first call.
+    if origin:
         await _listening("the origin relay", "shardcast.origin_port", host, cfg.shardcast.origin_port,
                          start_publisher(coord, key))
     if role in ("all", "edge"):
@@ -264,7 +281,8 @@ async def _start_parts(coord: Coordinator, key) -> None:
         if cfg.server.tls:
             tls = read_tls(resolve_path(base, cfg.server.tls_cert), resolve_path(base, cfg.server.tls_key))
         server, port, _ = await _listening("gRPC", "server.port", host, cfg.server.port,
-                                           start_server(coord.service, host=host, port=cfg.server.port, tls=tls))
+                                           start_server(coord.service, host=host, port=cfg.server.port, tls=tls,
+                                                        max_connections=budget.grpc_connections))
         coord.server, coord.grpc_port = server, port
     await _listening("HTTP (metrics, dashboard)", "server.http_port", host, cfg.server.http_port, start_http(coord))
     if role == "edge":
@@ -374,6 +392,9 @@ async def serve_forever(base_dir: str | Path, overrides=(), stop: asyncio.Event 
     any other part; a part still busy then (a trainer step) is dropped by leaving the process at once.
     """
     stop = stop or asyncio.Event()
+    before, now = raise_descriptor_limit()
+    if now != before:
+        log.info("descriptor limit raised from %d to %d", before, now)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)

@@ -44,6 +44,12 @@ class ServerConfig(_Section):
                                        "or it is closed")
     max_inflight_per_address: int = Field(64, ge=1, description="gRPC requests served at once from one address (IPv6: "
                                           "its /64); more are refused as rate_limited. Raise it for many nodes behind one NAT")
+    max_connections: int = Field(0, ge=0, description="gRPC connections open at once, from all addresses; more are "
+                                 "closed at accept (gRPC's connection quota). 0: what the descriptor limit leaves "
+                                 "after the HTTP port, the origin relay and 256 for the process's files (raised to "
+                                 "the hard limit at start; the split is logged)")
+    http_max_connections: int = Field(256, ge=1, description="connections to the HTTP port open at once, from all "
+                                      "addresses; more are closed at once and counted")
     http_connections_per_address: int = Field(16, ge=1, description="connections to the HTTP port open at once from one "
                                               "address (IPv6: its /64); more are closed at once and counted")
     reuse_port: bool = Field(False, description="bind the gRPC and HTTP ports with SO_REUSEPORT, so that several edge "

@@ -425,11 +425,14 @@ async def start_http(coord) -> web.AppRunner:
                            keepalive_timeout=backstop_s, max_line_size=MAX_REQUEST_LINE,
                            max_field_size=MAX_HEADER_FIELD, max_headers=MAX_HEADERS)
     await runner.setup()
+    budget = getattr(coord, "descriptors", None)
     limits = ConnectionLimits(PeerGate(server_cfg.http_connections_per_address),
                               first_head_s=server_cfg.handshake_timeout_s, idle_s=server_cfg.idle_timeout_s,
                               refused=coord.service.metrics.registry.counter(
                                   "veriroll_http_refused_total", "connections to the HTTP port closed by a limit, "
-                                  "by reason (connections_per_address, request_head_timeout)", ("reason",)))
+                                  "by reason (connections, connections_per_address, request_head_timeout)",
+                                  ("reason",)),
+                              max_open=budget.http_connections if budget is not None else server_cfg.http_max_connections)
     site = _LimitedSite(runner, server_cfg.host, server_cfg.http_port, limits,
                         reuse_port=server_cfg.reuse_port or coord.cfg.role == "edge")
     await site.start()
@@ -458,13 +461,15 @@ async def start_http(coord) -> web.AppRunner:
 
 @dataclass
 class ConnectionLimits:
-    """What one HTTP port allows: connections per address, and how long a request head may take to arrive
-    (``first_head_s`` from connecting, ``idle_s`` from the end of the previous request)."""
+    """What one HTTP port allows: connections in all (``max_open``) and per address, and how long a request
+    head may take to arrive (``first_head_s`` from connecting, ``idle_s`` from the end of the previous request)."""
 
     connections: PeerGate
     first_head_s: float
     idle_s: float
     refused: Counter
+    max_open: int = 256
+    open: int = 0
 
 
 class _LimitedConnection(asyncio.Protocol):
@@ -482,10 +487,16 @@ class _LimitedConnection(asyncio.Protocol):
     def connection_made(self, transport: asyncio.Transport) -> None:
         peer = transport.get_extra_info("peername")
         address = str(peer[0]) if peer else "unknown"
-        if not self._limits.connections.acquire(address):
-            self._limits.refused.inc(reason="connections_per_address")
+        limits = self._limits
+        if limits.open >= limits.max_open:
+            limits.refused.inc(reason="connections")
             transport.abort()
             return
+        if not limits.connections.acquire(address):
+            limits.refused.inc(reason="connections_per_address")
+            transport.abort()
+            return
+        limits.open += 1
         self._address, self._transport, self._inner = address, transport, self._make_inner()
         self._expect_head(self._limits.first_head_s)
         self._inner.connection_made(transport)
@@ -510,6 +521,7 @@ class _LimitedConnection(asyncio.Protocol):
             return
         self._cancel_deadline()
         self._limits.connections.release(self._address)
+        self._limits.open -= 1
         inner, self._inner = self._inner, None
         inner.connection_lost(exc)
 

@@ -1,4 +1,5 @@
-"""Per-address limits on the coordinator's listening sockets, and handing freed memory back to the OS.
+"""Per-address limits on the coordinator's listening sockets, the process's descriptor budget, and handing
+freed memory back to the OS.
 
 An address is keyed as the network hands one party its addresses: an IPv4 address as it is, an IPv6
 address by its /64 (one subscriber is usually given a whole /64, so keying by the full address would
@@ -15,6 +16,7 @@ import gc
 import ipaddress
 import logging
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 log = logging.getLogger("veriroll.coordinator.limits")
 
@@ -90,6 +92,51 @@ class PeerGate:
     def __len__(self) -> int:
         """Addresses holding anything now."""
         return len(self._held)
+
+
+# --- file descriptors: every connection holds one, and so does every file the process opens ----------------
+
+FD_RESERVE = 256
+"""Descriptors kept for the process's own files whatever its ports hold: the store (SQLite's database, WAL
+and shared memory per connection, or PostgreSQL's sockets), model and checkpoint files, reward workers'
+pipes, the log."""
+
+@dataclass(frozen=True)
+class DescriptorBudget:
+    """How the descriptor limit is shared: connections each port may hold at once, and the reserve for the
+    process's own files. Past its share a port closes new connections at accept, so a flood of them can
+    take the port's share and no more: the store, the checkpoints and the other ports keep theirs."""
+
+    limit: int
+    grpc_connections: int
+    http_connections: int
+    origin_connections: int
+    origin_transfers: int
+    reserve: int = FD_RESERVE
+
+    @classmethod
+    def plan(cls, limit: int, *, grpc: int = 0, http: int, origin: tuple[int, int] | None = None,
+             reserve: int = FD_RESERVE) -> DescriptorBudget:
+        """``grpc`` connections (0: what the rest leaves), ``http`` and the origin relay's (connections,
+        transfers) as configured, each lowered where the limit cannot hold them all: the HTTP port to an
+        eighth of the room and the origin relay to a quarter (nodes can fetch from other relays), and the
+        gRPC port, the nodes' only way in, gets the rest (at least 16)."""
+        reserve = min(reserve, limit // 4)  # a small limit keeps a quarter for files
+        room = max(64, limit - reserve)
+        http = min(http, max(8, room // 8))
+        origin_connections, origin_transfers = origin or (0, 0)
+        if origin_connections + origin_transfers > room // 4:
+            share = room // 4
+            origin_transfers = max(1, min(origin_transfers, share // 3))
+            origin_connections = max(1, share - origin_transfers)
+        left = max(16, room - http - origin_connections - origin_transfers)
+        return cls(limit, min(grpc, left) if grpc else left, http, origin_connections, origin_transfers, reserve)
+
+    def summary(self) -> str:
+        origin = (f", the origin relay {self.origin_connections} connections and {self.origin_transfers} transfers"
+                  if self.origin_connections else "")
+        return (f"descriptor limit {self.limit}: gRPC {self.grpc_connections} connections, HTTP "
+                f"{self.http_connections}{origin}, {self.reserve} kept for files")
 
 
 @functools.cache

@@ -29,7 +29,11 @@ async def start_publisher(coord, key: PrivateKey) -> None:
     cfg = coord.cfg.shardcast
     store = resolve_path(coord.base_dir, cfg.store)
     store.mkdir(parents=True, exist_ok=True)
+    budget = coord.descriptors
+    shares = {} if budget is None else {"max_connections": budget.origin_connections,
+                                        "max_transfers": budget.origin_transfers}
     relay = RelayServer(store, key.public, host=coord.cfg.server.host, port=cfg.origin_port, keep=cfg.keep_versions,
+                        **shares,
                         max_transfers_per_address=cfg.max_transfers_per_address or None,
                         max_connections_per_address=cfg.max_connections_per_address or None)
     await relay.start()

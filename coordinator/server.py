@@ -79,10 +79,12 @@ class _Edge(grpc.GenericRpcHandler):
         return handle
 
 
-def server_options(service: CoordinatorService) -> list[tuple[str, int]]:
-    """gRPC server arguments: the size cap enforced before buffering, and a time limit on every connection."""
+def server_options(service: CoordinatorService, max_connections: int = 0) -> list[tuple[str, int]]:
+    """gRPC server arguments: the size cap enforced before buffering, a time limit on every connection, and
+    (``max_connections`` > 0) how many connections may be open at once."""
     server = service.cfg.server
-    return [
+    quota = [("grpc.max_allowed_incoming_connections", max_connections)] if max_connections > 0 else []
+    return [*quota,
         ("grpc.max_receive_message_length", server.max_message_bytes + TRANSPORT_MARGIN_BYTES),
         ("grpc.max_send_message_length", 16 * 1024 * 1024),
         # A connection that has not finished TLS and the HTTP/2 preface in time (a bare TCP connection, a
@@ -100,10 +102,12 @@ def server_options(service: CoordinatorService) -> list[tuple[str, int]]:
     ]
 
 
-async def start_server(service: CoordinatorService, *, host: str, port: int, tls: tuple[bytes, bytes] | None
-                       ) -> tuple[grpc.aio.Server, int, health.aio.HealthServicer]:
-    """Start serving; returns the server, the bound port and the health servicer."""
-    server = grpc.aio.server(options=server_options(service),
+async def start_server(service: CoordinatorService, *, host: str, port: int, tls: tuple[bytes, bytes] | None,
+                       max_connections: int = 0) -> tuple[grpc.aio.Server, int, health.aio.HealthServicer]:
+    """Start serving; returns the server, the bound port and the health servicer. Past ``max_connections``
+    open at once (0: no cap of its own) gRPC closes new connections at accept, before TLS: they cost
+    nothing but the accept, and are not counted (Python never sees them)."""
+    server = grpc.aio.server(options=server_options(service, max_connections),
                              maximum_concurrent_rpcs=service.cfg.server.max_concurrent_rpcs)
     server.add_generic_rpc_handlers((_Edge(service),))
     health_servicer = health.aio.HealthServicer()

@@ -27,6 +27,7 @@ import json
 import logging
 import sys
 
+from veriroll.protos.descriptors import raise_descriptor_limit
 from veriroll.protos.signals import then_release_signals
 
 from . import relay
@@ -181,6 +182,7 @@ def cmd_relay_run(args: argparse.Namespace) -> int:
             stream_wait=args.stream_wait,
         )
 
+    raise_descriptor_limit()  # before the relay fits max_connections to the limit (systemd's soft 1,024)
     try:
         main = _relay_with_circuits(args.swarm_listen, serve) if args.swarm_listen else serve()
         asyncio.run(then_release_signals(main))  # once serving is over, one more signal leaves at once

@@ -29,7 +29,7 @@ import pytest
 from support import channel_to, make_coordinator_dir, node_client, running_coordinator
 
 from veriroll.coordinator import store as st
-from veriroll.coordinator.limits import PeerGate, address_key, release_freed_memory
+from veriroll.coordinator.limits import DescriptorBudget, PeerGate, address_key, release_freed_memory
 from veriroll.coordinator.server import TRANSPORT_MARGIN_BYTES
 from veriroll.protos.service import CallError, full_method
 from veriroll.protos.v1 import coordinator_pb2 as pb
@@ -244,6 +244,111 @@ def test_one_address_cannot_hold_every_http_connection(tmp_path):
     refused, status, counter = run(scenario())
     assert refused and status == 200
     assert counter.get(reason="connections_per_address") >= 1
+
+
+def test_the_http_port_holds_at_most_its_share_of_connections_from_all_addresses(tmp_path):
+    base = make_coordinator_dir(tmp_path, {"server.http_max_connections": 3, "server.http_connections_per_address": 16})
+
+    async def scenario():
+        async with running_coordinator(base) as coord:
+            port = coord.http_port
+            held = [await asyncio.open_connection("127.0.0.1", port) for _ in range(3)]
+            over_reader, over_writer = await asyncio.open_connection("127.0.0.1", port)
+            refused = await closed_by_server(over_reader)
+            over_writer.close()
+            for _, writer in held:
+                writer.close()
+            return refused, coord.service.metrics.registry.metrics["veriroll_http_refused_total"]
+
+    refused, counter = run(scenario())
+    assert refused and counter.get(reason="connections") >= 1 and counter.get(reason="connections_per_address") == 0
+
+
+# --- descriptors: every port's connections from one limit ------------------------------------------------
+
+
+@pytest.mark.parametrize("limit", [300, 1024, 4096, 20_000, 1 << 20])
+def test_the_descriptor_budget_never_gives_out_more_than_the_limit_less_the_reserve(limit):
+    budget = DescriptorBudget.plan(limit, http=256, origin=(2048, 512))
+    ports = budget.grpc_connections + budget.http_connections + budget.origin_connections + budget.origin_transfers
+    assert ports + budget.reserve <= limit and budget.reserve >= min(256, limit // 4)
+    assert budget.grpc_connections >= 16 and budget.http_connections >= 8 and budget.origin_transfers >= 1
+    if limit >= 20_000:  # room enough: every port gets what it was configured, and gRPC the rest
+        assert (budget.http_connections, budget.origin_connections, budget.origin_transfers) == (256, 2048, 512)
+        assert budget.grpc_connections == limit - budget.reserve - 256 - 2048 - 512
+    automatic = DescriptorBudget.plan(limit, http=256).grpc_connections
+    assert DescriptorBudget.plan(limit, grpc=500, http=256).grpc_connections == min(500, automatic)  # as configured where it fits
+
+
+def test_a_flood_of_connections_takes_the_grpc_ports_share_and_not_the_processs_descriptors(tmp_path):
+    """A coordinator process whose descriptor limit is 320 (hard, so it cannot raise it): 300 TLS connections
+    from one client. gRPC's connection quota closes those past the port's share at accept, so the process
+    never runs out of descriptors: the HTTP port answers, the store keeps opening its files (before, with no
+    quota, housekeeping failed with "unable to open database file" every second and honest nodes could not
+    connect until the flood ended), and once the flood is gone a node is served."""
+    import resource
+
+    from veriroll.protos.identity import PrivateKey
+    from veriroll.protos.service import SignedStub, secure_channel
+
+    limit = 320
+    base = make_coordinator_dir(tmp_path)
+    log = tmp_path / "coordinator.log"
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1")
+    with open(log, "wb") as fh:
+        proc = subprocess.Popen([VERIROLL, "coordinator", "run", "--dir", str(base)], stdout=fh, stderr=subprocess.STDOUT,
+                                env=env, start_new_session=True,
+                                preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (limit, limit)))
+    try:
+        ports = wait_for(lambda: (base / "ports.json").exists() and json.loads((base / "ports.json").read_text()),
+                         proc, log, "serving")
+        ca = (base / "tls" / "ca.crt").read_bytes()
+        address = f"127.0.0.1:{ports['grpc']}"
+
+        async def scenario():
+            flood = [secure_channel(address, ca, server_name="localhost") for _ in range(300)]
+
+            async def ready(channel) -> bool:
+                try:
+                    await asyncio.wait_for(channel.channel_ready(), 3)
+                    return True
+                except TimeoutError:
+                    return False
+
+            held = sum(await asyncio.gather(*(ready(c) for c in flood)))
+            descriptors = len(os.listdir(f"/proc/{proc.pid}/fd"))
+            async with aiohttp.ClientSession() as s, s.get(f"http://127.0.0.1:{ports['http']}/healthz") as r:
+                health = r.status
+            await asyncio.sleep(1.5)  # a housekeeping round or two under the flood
+            for channel in flood:
+                await channel.close()
+            key = PrivateKey.generate()
+            channel = secure_channel(address, ca, server_name="localhost")
+            stub = SignedStub(channel, key, timeout=10)
+            for _ in range(100):  # the server sees the flood's connections close on its next poll
+                try:
+                    await stub.register(pb.RegisterRequest(public_key=key.public.raw, software_version="test"))
+                    break
+                except CallError as err:
+                    assert err.code == grpc.StatusCode.UNAVAILABLE, err
+                    await asyncio.sleep(0.2)
+            served = len((await stub.lease_work(pb.LeaseRequest())).leases)
+            await channel.close()
+            return held, descriptors, health, served
+
+        held, descriptors, health, served = run(scenario())
+        os.killpg(proc.pid, signal.SIGTERM)
+        assert stopped(proc, log) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    text = log.read_text()
+    budget = DescriptorBudget.plan(limit, http=256)
+    assert f"descriptor limit {limit}: gRPC {budget.grpc_connections} connections" in text, text
+    assert 0 < held <= budget.grpc_connections < 300
+    assert descriptors < limit - 32, descriptors  # room left for the process's own files
+    assert health == 200 and served == 1
+    assert "Traceback" not in text and "unable to open" not in text, text
 
 
 # --- bodies over the cap --------------------------------------------------------------------------------
