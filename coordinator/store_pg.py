@@ -618,12 +618,13 @@ class PgConnection:
         self._check(res)
         return self._result(res)
 
-    def _answers(self, pg) -> list:
+    def _answers(self, pg, *, pipeline: bool = False) -> list:
         """The results of what was sent on ``pg`` (libpq's asynchronous calls, as a blocking call would run them
-        but for the wait): sent, then read until the server said all, with the GIL released while waiting and
-        no wait longer than ANSWER_TIMEOUT_S (_NoAnswer)."""
+        but for the wait): sent, then read until the server said all (in pipeline mode: up to the pipeline's
+        sync, past the end of each statement's results), with the GIL released while waiting and no wait
+        longer than ANSWER_TIMEOUT_S (_NoAnswer)."""
         deadline = time.monotonic() + ANSWER_TIMEOUT_S
-        while pg.flush():
+        while pg.flush():  # the connection does not block: wait until it can write
             _wait(pg, deadline, write=True)
         results = []
         while True:
@@ -632,6 +633,10 @@ class PgConnection:
                 pg.consume_input()
             res = pg.get_result()
             if res is None:
+                if pipeline:  # the end of one statement's results
+                    continue
+                return results
+            if pipeline and res.status == PIPELINE_SYNC:
                 return results
             results.append(res)
 
@@ -664,7 +669,6 @@ class PgConnection:
         for sql, params in statements:  # prepared first, outside the pipeline (a few statements, once a session)
             values, types, formats = dump_params(params, self._tx)
             sends.append((self._prepared_name(pg, sql, types), statement(sql), values, types, formats))
-        results = []
         pg.enter_pipeline_mode()
         try:
             for name, stmt, values, types, formats in sends:
@@ -673,19 +677,7 @@ class PgConnection:
                 else:
                     pg.send_query_prepared(name, values, formats)
             pg.pipeline_sync()
-            deadline = time.monotonic() + ANSWER_TIMEOUT_S
-            while pg.flush():  # the connection does not block: wait (GIL released) until it can write
-                _wait(pg, deadline, write=True)
-            while True:
-                while pg.is_busy():  # wait for PostgreSQL with the GIL released, as a blocking call would
-                    _wait(pg, deadline)
-                    pg.consume_input()
-                res = pg.get_result()
-                if res is None:  # the end of one statement's results
-                    continue
-                if res.status == PIPELINE_SYNC:
-                    break
-                results.append(res)
+            results = self._answers(pg, pipeline=True)
         finally:
             if pg.pipeline_status != pq.PipelineStatus.OFF and not conn.broken:
                 try:
