@@ -83,8 +83,8 @@ class StoreOutageLog:
             self.down_since = now
         elif now - self._logged_at < self.every_s:
             return
-        log.error("the store is unavailable: %s (%d request(s) answered store_unavailable since the last line; "
-                  "nodes retry)", exc, self._refused)
+        log.error("the store is unavailable: %s (%d request(s) could not use it since the last line; nodes are "
+                  "told store_unavailable and retry)", exc, self._refused)
         self._logged_at, self._refused = now, 0
 
     def served(self) -> None:
@@ -217,15 +217,8 @@ class CoordinatorService:
             if not refusal.counted:
                 # The door's refusals of a known key (banned, over its rate) count against that key but leave
                 # no event row: they are what a flood is made of, and the key's rate limit does not bound them.
-                try:
-                    await self.ledger.refuse(node_id or refusal.node_id, refusal.reason, refusal.detail,
-                                             log_event=bool(node_id))
-                except st.StoreUnavailable as exc:  # the refusal stands; the store cannot take its row now
-                    self.store_outage.refused(exc)
-                    self.ledger.counted(node_id or refusal.node_id, refusal.reason)
-                except Exception:  # a bug recording it: logged; the refusal stands, counted
-                    log.exception("recording a %s refusal failed", refusal.reason.value)
-                    self.ledger.counted(node_id or refusal.node_id, refusal.reason)
+                await self._record_refusal(node_id or refusal.node_id, refusal.reason, refusal.detail,
+                                           log_event=bool(node_id))
                 refusal.counted = True
             raise
         except st.StoreUnavailable as exc:  # counted in the metrics only: the store cannot take the row now
@@ -238,12 +231,20 @@ class CoordinatorService:
         except Exception as exc:
             log.exception("internal error in %s", name)
             self.metrics.requests.inc(method=name, result=Reason.INTERNAL.value)
-            try:
-                await self.ledger.refuse(node_id, Reason.INTERNAL, f"internal error in {name}")
-            except Exception:  # the store failed too: logged; the refusal stands, counted in the metrics
-                log.exception("recording the internal error in %s failed too", name)
-                self.ledger.counted(node_id, Reason.INTERNAL)
+            await self._record_refusal(node_id, Reason.INTERNAL, f"internal error in {name}")
             raise Refusal(Reason.INTERNAL, counted=True) from exc
+
+    async def _record_refusal(self, node_id: str, reason: Reason, detail: str, *, log_event: bool = True) -> None:
+        """The refusal's row in the store, and its count; when the store cannot take the row (unavailable,
+        or a bug recording it, logged) the refusal stands, counted in the metrics only."""
+        try:
+            await self.ledger.refuse(node_id, reason, detail, log_event=log_event)
+        except st.StoreUnavailable as exc:
+            self.store_outage.refused(exc)
+            self.ledger.counted(node_id, reason)
+        except Exception:  # the refusal is answered whatever recording it hit
+            log.exception("recording a %s refusal failed", reason.value)
+            self.ledger.counted(node_id, reason)
 
     async def _read_body(self, read: Callable[[], Awaitable[bytes | None]]) -> bytes:
         timeout = self.cfg.server.body_timeout_s

@@ -164,8 +164,8 @@ def test_the_outage_log_says_the_cause_once_then_a_line_per_period_and_the_end_a
     outage.served()
     lines = [r.getMessage() for r in caplog.records]
     assert len(lines) == 3, lines
-    assert lines[0].startswith("the store is unavailable: disk full (1 request(s)")
-    assert "(3 request(s)" in lines[1]  # 101, 105 and 111 (the one that logged)
+    assert lines[0].startswith("the store is unavailable: disk full (1 request(s) could not use it")
+    assert "(3 request(s) could not use it" in lines[1]  # 101, 105 and 111 (the one that logged)
     assert lines[2] == "the store serves requests again, 12.0 s after the first refused (1 more refused since the last line)"
     assert outage.down_since is None
 
