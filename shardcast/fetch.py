@@ -121,6 +121,12 @@ DEFAULT_CONCURRENCY = 8
 DEFAULT_PER_RELAY = 2  # on loopback 2 streams beat 4; over a WAN, several relays add streams
 DEFAULT_CONNECT_TIMEOUT = 5.0
 DEFAULT_READ_TIMEOUT = 20.0  # seconds without a single byte before a download is abandoned
+SMALL_ANSWER_S = 5.0
+"""The longest a relay may take to send a small answer (``/status``, a manifest) once connected, if less than
+``read_timeout``. A healthy relay answers them from memory in milliseconds, even while it streams shards
+to hundreds of clients; one that stopped answering (a paused machine, a path that drops packets) is given
+up after this instead of the whole read timeout, which every fetch paid again (and a mirror twice per
+round: its own probe, then the fetch's)."""
 CHUNK = 1024 * 1024
 JOURNAL_NAME = ".shardcast-progress"
 PARTIAL_SUFFIX = ".shardcast-partial"
@@ -398,7 +404,7 @@ class _Fetch:
             total=None, sock_connect=connect_timeout, sock_read=read_timeout, connect=connect_timeout * 2
         )
         # the status probe and manifests are small: bound them as a whole
-        self.small_timeout = aiohttp.ClientTimeout(total=connect_timeout + read_timeout)
+        self.small_timeout = aiohttp.ClientTimeout(total=connect_timeout + min(read_timeout, SMALL_ANSWER_S))
         self.max_attempts = max_attempts or max(5, 3 * len(self.relays))
         self.fsync = fsync
         self.verify_files = verify_files

@@ -100,7 +100,7 @@ from aiohttp import web
 from veriroll.protos.identity import PublicKey, load_public_key
 
 from .errors import ShardcastError
-from .fetch import FetchResult, fetch_version, normalize_relay_url
+from .fetch import DEFAULT_CONNECT_TIMEOUT, SMALL_ANSWER_S, FetchResult, fetch_version, normalize_relay_url
 from .manifest import Manifest, verify_manifest
 from .store import DELTA_NAME, MANIFEST_NAME, list_versions, prune, remove_tree, version_dir
 
@@ -780,7 +780,8 @@ class RelayServer:
     # ---- mirroring
 
     async def _upstream_versions(self, session: aiohttp.ClientSession) -> set[int]:
-        timeout = aiohttp.ClientTimeout(total=self.fetch_options.get("read_timeout", 20.0) + 5.0)
+        timeout = aiohttp.ClientTimeout(total=DEFAULT_CONNECT_TIMEOUT + min(self.fetch_options.get("read_timeout", 20.0),
+                                                                           SMALL_ANSWER_S))
 
         async def one(url: str) -> list[int]:
             try:

@@ -154,10 +154,10 @@ def start_coordinator(fleet: Fleet, base: Path, name: str = "coordinator") -> di
     return wait_until(lambda: json.loads((base / "ports.json").read_text()), f"{name} to serve", fleet, alive=(name,))
 
 
-def start_relay(fleet: Fleet, name: str, store: Path, pub: Path) -> str:
+def start_relay(fleet: Fleet, name: str, store: Path, pub: Path, upstreams=()) -> str:
     port = free_port()
     fleet.spawn(name, ["relay", "run", "--store", str(store), "--port", str(port), "--coordinator-key", str(pub),
-                       "--poll-interval", "1"])
+                       "--poll-interval", "1", *(a for u in upstreams for a in ("--upstream", u))])
     url = f"http://127.0.0.1:{port}"
     wait_until(lambda: relay_status(url)["versions"], f"{name} to serve its store", fleet, alive=(name,))
     return url
@@ -340,6 +340,70 @@ def test_a_relay_killed_mid_download_leaves_the_node_to_finish_from_the_other(tm
     assert f"relay {other} failed" not in log and f"relay {other} served bad data" not in log
     assert relay_status(other)["load"]["bytes_served_total"] > 0
     assert query(db, "SELECT COUNT(*) FROM groups WHERE node_id = ?", (node.node_id,))[0][0] == 1
+
+
+def test_a_relay_that_stops_answering_mid_download_leaves_the_node_to_finish_from_the_other(tmp_path, fleet):
+    """A relay frozen (SIGSTOP: a paused VM, a network path that drops packets without a reset) rather than
+    killed: its connections stay open and nothing more arrives on them. The node gives it up after its read
+    timeout and finishes from the other relay, verified."""
+    base = make_coordinator_dir(tmp_path)
+    pub = base / "coordinator.key.pub"
+    src = tmp_path / "checkpoint"
+    shutil.copytree(base / "checkpoints" / "versions" / "v000000", src)
+    with open(src / "padding.bin", "wb") as f:
+        for _ in range(96):
+            f.write(os.urandom(1 << 20))
+    publish_version_0(base, src, tmp_path / "store-a", shard_bytes=256 * 1024)
+    shutil.copytree(tmp_path / "store-a", tmp_path / "store-b", copy_function=os.link)
+    manifest = shards_of(tmp_path / "store-a", pub)
+    ports = start_coordinator(fleet, base)
+    frozen = start_relay(fleet, "relay-frozen", tmp_path / "store-a", pub)
+    other = start_relay(fleet, "relay-other", tmp_path / "store-b", pub)
+    node = start_node(fleet, "node", base, ports, relays=[frozen, other], extra=["--max-groups", "1"])
+
+    journal = fleet.root / "node" / "cache" / node.node_id / ".v000000.shardcast-partial" / ".shardcast-progress"
+    wait_until(lambda: journal.exists() and journal.read_text().count("\n") >= 4, "the download to start", fleet,
+               alive=("node",), every=0.01)
+    fleet.signal("node", signal.SIGSTOP)
+    done_at_freeze = journal.read_text().count("\n")
+    served = relay_status(frozen)["load"]
+    fleet.signal("relay-frozen", signal.SIGSTOP)
+    fleet.signal("node", signal.SIGCONT)
+    try:
+        assert 0 < done_at_freeze < len(manifest.shards), "the freeze did not land mid-download"
+        assert served["bytes_served_total"] > 0 or served["active_transfers"] > 0, "the frozen relay took no part"
+        assert fleet.procs["node"].wait(timeout=WAIT_S) == 0, fleet.tails()
+    finally:
+        fleet.signal("relay-frozen", signal.SIGCONT)
+    fetched = fleet.root / "node" / "cache" / node.node_id / "v000000"
+    assert_same_files(src, fetched, [f.name for f in manifest.files])
+    log = fleet.log("node")
+    assert re.search(rf"relay {re.escape(frozen)} (failed|stopped answering)", log), "the node did not record the failure"
+    assert relay_status(other)["load"]["bytes_served_total"] > 0
+
+
+def test_a_relay_whose_first_upstream_stops_answering_mirrors_from_the_other(tmp_path, fleet):
+    """A relay given two upstreams, the first of them frozen (SIGSTOP) with the version it wants: it gives
+    the frozen one up after its timeouts and mirrors the version, verified, from the second."""
+    base = make_coordinator_dir(tmp_path)
+    pub = base / "coordinator.key.pub"
+    publish_version_0(base, base / "checkpoints" / "versions" / "v000000", tmp_path / "store-a", shard_bytes=256 * 1024)
+    shutil.copytree(tmp_path / "store-a", tmp_path / "store-b", copy_function=os.link)
+    frozen = start_relay(fleet, "relay-frozen", tmp_path / "store-a", pub)
+    other = start_relay(fleet, "relay-other", tmp_path / "store-b", pub)
+    fleet.signal("relay-frozen", signal.SIGSTOP)
+    try:
+        mirror = start_relay(fleet, "relay-mirror", tmp_path / "store-m", pub, upstreams=[frozen, other])
+    finally:
+        fleet.signal("relay-frozen", signal.SIGCONT)
+    from veriroll.shardcast.store import version_dir
+
+    assert relay_status(mirror)["versions"] == [0]
+    source, mirrored = version_dir(tmp_path / "store-a", 0), version_dir(tmp_path / "store-m", 0)
+    held = sorted(p.name for p in source.iterdir())
+    assert sorted(p.name for p in mirrored.iterdir()) == held
+    assert_same_files(source, mirrored, held)
+    assert relay_status(other)["load"]["bytes_served_total"] > 0  # from the second upstream
 
 
 def test_a_relay_serving_tampered_shards_is_reported_and_the_node_still_gets_the_true_checkpoint(tmp_path, fleet):
