@@ -85,12 +85,14 @@ class WanPlan:
         return self.per_node.get(number, self.profile)
 
 
-def wan_spec(plan: WanPlan, grpc_port: int, origin_port: int, relay_ports: dict[str, int], upstreams: dict[str, str],
-             nodes: list[str], leaves: list[str], swarm_ports: dict[str, int] | None = None) -> dict:
+def wan_spec(plan: WanPlan, grpc_port: int, origin_port: int, relay_ports: dict[str, int],
+             upstreams: dict[str, str | list[str]], nodes: list[str], leaves: list[str],
+             swarm_ports: dict[str, int] | None = None) -> dict:
     """The proxy's links and routes (``veriroll.deploy.wan``): a link per host, a route per (client, server).
 
-    The coordinator's host carries its gRPC port and the origin relay. ``upstreams`` names each relay's
-    upstream ('origin' or a relay); ``leaves`` the relays nodes fetch from, in order. Routes listen on
+    The coordinator's host carries its gRPC port and the origin relay. ``upstreams`` names what each relay
+    mirrors from ('origin' or a relay, or a list of them: its upstream and fallbacks); ``leaves`` the relays
+    nodes fetch from, in order. Routes listen on
     free ports chosen here. ``swarm_ports``: each serving node's libp2p port, reached by other nodes through
     a route over the serving node's link (route ``NODE->swarm``; the dialling node's own line is not applied
     to peer traffic: one route per serving node, whoever dials).
@@ -100,7 +102,8 @@ def wan_spec(plan: WanPlan, grpc_port: int, origin_port: int, relay_ports: dict[
     links = {"coordinator": plan.profile, **{r: plan.profile for r in relay_ports},
              **{n: plan.of_node(i + 1) for i, n in enumerate(nodes)}}
     routes = [{"name": f"{r}->{up}", "listen": f"127.0.0.1:{free_port()}", "target": f"127.0.0.1:{server_port[up]}",
-               "client": r, "server": host_of[up]} for r, up in upstreams.items()]
+               "client": r, "server": host_of[up]}
+              for r, ups in upstreams.items() for up in ([ups] if isinstance(ups, str) else ups)]
     for n in nodes:
         routes.append({"name": f"{n}->grpc", "listen": f"127.0.0.1:{free_port()}", "target": f"127.0.0.1:{grpc_port}",
                        "client": n, "server": "coordinator"})
@@ -186,7 +189,7 @@ class Testnet:
         pub = str(self.coord_dir / "coordinator.key.pub")
         kinds = [""] * self.cfg.honest_nodes + list(self.cfg.adversaries)
         names = [f"node-{i + 1}" + (f"-{kind}" if kind else "") for i, kind in enumerate(kinds)]
-        upstream_of = {r.name: urls[r.upstream] for r in self.cfg.relays}
+        sources_of = {r.name: [urls[u] for u in r.sources] for r in self.cfg.relays}
         grpc_of = {n: f"127.0.0.1:{ports['grpc']}" for n in names}
         relays_of = {n: leaves for n in names}
         nat = set(names[: min(self.wan.nat_nodes, self.cfg.honest_nodes)] if self.wan else [])
@@ -197,15 +200,15 @@ class Testnet:
         swarm_at = {n: f"/ip4/127.0.0.1/tcp/{p}" for n, p in swarm_ports.items()}
         if self.wan is not None:
             spec = wan_spec(self.wan, ports["grpc"], origin_port, relay_ports,
-                            {r.name: r.upstream for r in self.cfg.relays}, names, leaf_names,
+                            {r.name: r.sources for r in self.cfg.relays}, names, leaf_names,
                             {n: p for n, p in swarm_ports.items() if n not in nat})
             spec["nat"] = names[: min(self.wan.nat_nodes, self.cfg.honest_nodes)]
             (self.run_dir / "wan.json").write_text(json.dumps(spec, indent=1))
             self.spawn("wan", ["--spec", str(self.run_dir / "wan.json")], "wan",
                        program=[sys.executable, "-m", "veriroll.deploy.wan"])
             wait_listening(route_address(spec, spec["routes"][-1]["name"]))
-            upstream_of = {r: f"http://{route_address(spec, f'{r}->{up}')}" for r, up in
-                           ((r.name, r.upstream) for r in self.cfg.relays)}
+            sources_of = {r.name: [f"http://{route_address(spec, f'{r.name}->{u}')}" for u in r.sources]
+                          for r in self.cfg.relays}
             grpc_of = {n: route_address(spec, f"{n}->grpc") for n in names}
             relays_of = {n: [f"http://{route_address(spec, f'{n}->{r}')}" for r in leaf_names] for n in names}
             announce = {n: "/ip4/{}/tcp/{}".format(*route_address(spec, f"{n}->swarm").split(":"))
@@ -214,7 +217,8 @@ class Testnet:
             announce = {}
         for r in self.cfg.relay_order():
             self.spawn(r.name, ["relay", "run", "--store", str(self.run_dir / r.name), "--port", str(relay_ports[r.name]),
-                                "--coordinator-key", pub, "--upstream", upstream_of[r.name], "--poll-interval", "1",
+                                "--coordinator-key", pub, "--upstream", sources_of[r.name][0], "--poll-interval", "1",
+                                *(a for url in sources_of[r.name][1:] for a in ("--fallback-upstream", url)),
                                 # every node of the local testnet fetches from loopback: one address
                                 "--max-transfers-per-address", "0", "--max-connections-per-address", "0"], "relay")
         from veriroll.protos.identity import write_keypair

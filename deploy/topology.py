@@ -22,6 +22,14 @@ class RelaySpec(BaseModel):
 
     name: str = Field(description="service name (relay-1, ...)")
     upstream: str = Field("origin", description="'origin' (the coordinator's relay) or the name of another relay")
+    fallback: list[str] = Field(default_factory=list, description="relays ('origin' or names) to mirror a version "
+                                "from only when `upstream` has not listed it for a while (`relay run "
+                                "--fallback-upstream`): an upstream that stops answering holds nothing back for long")
+
+    @property
+    def sources(self) -> list[str]:
+        """Every relay this one mirrors from: its upstream, then its fallbacks."""
+        return [self.upstream, *self.fallback]
 
 
 class ScaleOutSpec(BaseModel):
@@ -47,9 +55,10 @@ class TestnetConfig(BaseModel):
     honest_nodes: int = Field(3, ge=0, description="honest node processes")
     adversaries: list[str] = Field(default_factory=lambda: ["forged-logprobs"],
                                    description="one adversarial node per entry, by kind (veriroll node run --adversary)")
-    relays: list[RelaySpec] = Field(default_factory=lambda: [RelaySpec(name="relay-1", upstream="origin"),
-                                                             RelaySpec(name="relay-2", upstream="relay-1")],
-                                    description="relay chain; nodes fetch from the last relays first")
+    relays: list[RelaySpec] = Field(default_factory=lambda: [
+        RelaySpec(name="relay-1", upstream="origin"),
+        RelaySpec(name="relay-2", upstream="relay-1", fallback=["origin"])],
+        description="relay chain; nodes fetch from the last relays first")
     node_threads: int = Field(1, ge=1, description="torch threads per node")
     coordinator: dict = Field(default_factory=dict, description="coordinator config overrides (section.field = value)")
     compose_file: str = Field("docker-compose.yml", description="the compose file generated from this topology (in deploy/)")
@@ -57,12 +66,12 @@ class TestnetConfig(BaseModel):
                                            "on PostgreSQL (compose only); absent: one coordinator process on SQLite")
 
     def relay_order(self) -> list[RelaySpec]:
-        """Relays in start order (each after its upstream)."""
+        """Relays in start order (each after its upstream and fallbacks)."""
         done: set[str] = {"origin"}
         order: list[RelaySpec] = []
         pending = list(self.relays)
         while pending:
-            ready = [r for r in pending if r.upstream in done]
+            ready = [r for r in pending if all(u in done for u in r.sources)]
             if not ready:
                 raise ValueError(f"relay upstreams form a cycle or name unknown relays: {[r.name for r in pending]}")
             for r in ready:

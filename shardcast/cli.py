@@ -170,6 +170,8 @@ def cmd_relay_run(args: argparse.Namespace) -> int:
             args.store,
             args.coordinator_key,
             upstreams=args.upstream,
+            fallbacks=args.fallback_upstream,
+            fallback_after=args.fallback_after,
             host=args.host,
             port=args.port,
             keep=args.keep,
@@ -239,6 +241,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     run.add_argument(
         "--upstream", action="append", default=[], metavar="URL", help="relay to mirror (repeatable)"
     )
+    run.add_argument(
+        "--fallback-upstream", action="append", default=[], metavar="URL",
+        help="relay to mirror a version from only when no --upstream has listed it for --fallback-after "
+        "seconds while this one has: an upstream that stopped answering or fell behind (repeatable; e.g. the origin)",
+    )  # fmt: skip
+    run.add_argument("--fallback-after", type=float, default=relay.DEFAULT_FALLBACK_AFTER,
+                     help=f"seconds (default {relay.DEFAULT_FALLBACK_AFTER:g})")
     run.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     run.add_argument("--swarm-listen", default="", metavar="MULTIADDR",
                      help="also carry libp2p circuits for nodes with no inbound port, listening here "

@@ -8,7 +8,10 @@ Two modes, one server:
   hold and fetches the newest ``keep`` versions with the same verified fetch a node uses (signature,
   every shard, every file; from the delta against a version it holds where there is one, keeping the
   delta to serve it in turn), into a hidden directory that is renamed into place once complete. Older
-  versions are pruned. Mirrors can mirror mirrors: origin → relays → relays → nodes.
+  versions are pruned. Mirrors can mirror mirrors: origin → relays → relays → nodes. ``fallbacks``
+  (the origin, say) are mirrored from only for a version the upstreams have not listed for
+  ``fallback_after`` seconds while a fallback has: an upstream that stopped answering, or one stuck
+  behind its own, holds its subtree back that long and no longer.
 
 **Streaming.** While a mirror fetches a version it already serves it, shard by shard: as soon as the
 verified manifest is in, the version is listed under ``streaming`` in ``/status`` (not under
@@ -24,7 +27,7 @@ URL scheme (all GET, HEAD too; JSON is UTF-8):
 
 ===================================  ==========================================================
 ``/status``                          ``{"service", "protocol", "role", "versions", "latest",
-                                     "keep", "upstreams", "load": {...}, "limits": {...},
+                                     "keep", "upstreams", "fallbacks", "load": {...}, "limits": {...},
                                      "mirror": {...}}``;
                                      ``load`` has ``active_transfers``, ``open_connections``,
                                      ``requests_total``, ``bytes_served_total``,
@@ -118,6 +121,7 @@ DEFAULT_SEND_GRACE = 30.0
 # enough that a shard on its way is usually sent the moment it is verified.
 DEFAULT_STREAM_WAIT = 10.0
 DEFAULT_MAX_TRANSFERS = 512
+DEFAULT_FALLBACK_AFTER = 15.0  # seconds a version may be on the fallback upstreams alone before a mirror takes it there
 DEFAULT_MAX_CONNECTIONS = 2048
 # A node downloads at most 2 shards from one relay at once (fetch.DEFAULT_PER_RELAY) over a few pooled
 # connections: these leave room for several nodes behind one NAT, and none for one address to take
@@ -282,6 +286,8 @@ class RelayServer:
         coordinator_key: PublicKey | str | os.PathLike,
         *,
         upstreams: Sequence[str] = (),
+        fallbacks: Sequence[str] = (),
+        fallback_after: float = DEFAULT_FALLBACK_AFTER,
         host: str = "127.0.0.1",
         port: int = DEFAULT_PORT,
         keep: int = DEFAULT_KEEP,
@@ -301,6 +307,13 @@ class RelayServer:
             coordinator_key if isinstance(coordinator_key, PublicKey) else load_public_key(coordinator_key)
         )
         self.upstreams = [normalize_relay_url(u) for u in upstreams]
+        # Mirrored from only for a version the upstreams have not listed for fallback_after seconds while a
+        # fallback has (an upstream that stopped answering, or one stuck behind its own): see mirror_once.
+        self.fallbacks = [normalize_relay_url(u) for u in fallbacks]
+        if self.fallbacks and not self.upstreams:
+            raise ValueError("fallback upstreams are for a mirror: give it an upstream too")
+        self.fallback_after = fallback_after
+        self._only_on_fallbacks: dict[int, float] = {}  # version -> when a fallback was first seen to hold it alone
         self.host, self.port = host, port
         self.keep = keep
         self.poll_interval = poll_interval
@@ -558,6 +571,7 @@ class RelayServer:
             "latest": versions[-1] if versions else None,
             "keep": self.keep,
             "upstreams": self.upstreams,
+            "fallbacks": self.fallbacks,
             "load": self._load_counters(),
             "limits": self.limits(),
             "streaming": self.streaming_versions(),
@@ -779,7 +793,7 @@ class RelayServer:
 
     # ---- mirroring
 
-    async def _upstream_versions(self, session: aiohttp.ClientSession) -> set[int]:
+    async def _upstream_versions(self, session: aiohttp.ClientSession, urls: Sequence[str]) -> set[int]:
         timeout = aiohttp.ClientTimeout(total=DEFAULT_CONNECT_TIMEOUT + min(self.fetch_options.get("read_timeout", 20.0),
                                                                            SMALL_ANSWER_S))
 
@@ -799,13 +813,31 @@ class RelayServer:
                 return []
             return [v for v in versions + streaming if isinstance(v, int) and not isinstance(v, bool) and v >= 0]
 
-        results = await asyncio.gather(*(one(u) for u in self.upstreams))
+        results = await asyncio.gather(*(one(u) for u in urls))
         return {v for vs in results for v in vs}
 
+    def _overdue_on_fallbacks(self, upstream: set[int], fallback: set[int], now: float) -> set[int]:
+        """Versions a fallback has listed, and no upstream, for ``fallback_after`` seconds or more."""
+        alone = {v for v in fallback - upstream if v not in self.held}
+        for v in list(self._only_on_fallbacks):
+            if v not in alone:
+                del self._only_on_fallbacks[v]
+        for v in alone:
+            self._only_on_fallbacks.setdefault(v, now)
+        return {v for v, since in self._only_on_fallbacks.items() if now - since >= self.fallback_after}
+
     async def mirror_once(self) -> list[int]:
-        """One mirroring round: fetch the newest ``keep`` upstream versions not held yet; returns them."""
+        """One mirroring round: fetch the newest ``keep`` upstream versions not held yet; returns them.
+
+        A version that only the fallbacks have listed, for ``fallback_after`` seconds, is fetched from them:
+        an upstream that stopped answering (it lists nothing) or one stuck behind its own upstream (it
+        lists older versions only) holds back no version for longer. While the upstreams keep up, the
+        fallbacks are asked for their list and nothing else."""
         async with aiohttp.ClientSession(trust_env=False) as session:
-            claimed = await self._upstream_versions(session)
+            claimed, listed = await asyncio.gather(self._upstream_versions(session, self.upstreams),
+                                                   self._upstream_versions(session, self.fallbacks))
+        rescued = self._overdue_on_fallbacks(claimed, listed, time.monotonic()) if self.fallbacks else set()
+        claimed |= rescued
         now = time.monotonic()
         # Versions that failed recently wait their turn, so an upstream claiming versions it cannot back
         # with a signed manifest does not crowd out the real ones.
@@ -825,9 +857,12 @@ class RelayServer:
                 if v in self.streaming:
                     self.streaming[v].add(name, offset, size)
 
+            if v in rescued:
+                log.warning("version %d is on the fallback upstreams only, for %.0f s or more: mirroring it from %s",
+                            v, self.fallback_after, ", ".join(self.fallbacks))
             try:
                 result = await _fetch_on_own_loop(
-                    self.upstreams, self.key, version_dir(self.store, v), v,
+                    self.fallbacks if v in rescued else self.upstreams, self.key, version_dir(self.store, v), v,
                     bases=[version_dir(self.store, h) for h in reversed(self.versions())], keep_delta=True,
                     on_staged=staged, on_verified=verified, **self.fetch_options,
                 )  # fmt: skip

@@ -64,6 +64,8 @@ def test_compose_services_match_the_testnet_topology():
         cmd = SERVICES[relay.name]["command"]
         upstream = cmd[cmd.index("--upstream") + 1]
         assert upstream == compose.relay_url(cfg, relay.upstream)
+        fallbacks = [cmd[i + 1] for i, a in enumerate(cmd) if a == "--fallback-upstream"]
+        assert fallbacks == [compose.relay_url(cfg, f) for f in relay.fallback]
     # Nodes fetch from the leaves of the relay chain first, as in the process testnet.
     node_cmd = run_command("node")
     relays = [node_cmd[i + 1] for i, a in enumerate(node_cmd) if a == "--relay"]

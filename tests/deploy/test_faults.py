@@ -154,10 +154,10 @@ def start_coordinator(fleet: Fleet, base: Path, name: str = "coordinator") -> di
     return wait_until(lambda: json.loads((base / "ports.json").read_text()), f"{name} to serve", fleet, alive=(name,))
 
 
-def start_relay(fleet: Fleet, name: str, store: Path, pub: Path, upstreams=()) -> str:
+def start_relay(fleet: Fleet, name: str, store: Path, pub: Path, upstreams=(), extra=()) -> str:
     port = free_port()
     fleet.spawn(name, ["relay", "run", "--store", str(store), "--port", str(port), "--coordinator-key", str(pub),
-                       "--poll-interval", "1", *(a for u in upstreams for a in ("--upstream", u))])
+                       "--poll-interval", "1", *(a for u in upstreams for a in ("--upstream", u)), *extra])
     url = f"http://127.0.0.1:{port}"
     wait_until(lambda: relay_status(url)["versions"], f"{name} to serve its store", fleet, alive=(name,))
     return url
@@ -382,28 +382,35 @@ def test_a_relay_that_stops_answering_mid_download_leaves_the_node_to_finish_fro
     assert relay_status(other)["load"]["bytes_served_total"] > 0
 
 
-def test_a_relay_whose_first_upstream_stops_answering_mirrors_from_the_other(tmp_path, fleet):
-    """A relay given two upstreams, the first of them frozen (SIGSTOP) with the version it wants: it gives
-    the frozen one up after its timeouts and mirrors the version, verified, from the second."""
+def test_a_mirror_takes_a_version_from_its_fallback_only_when_its_upstream_stops_answering(tmp_path, fleet):
+    """Two mirrors, each with one upstream and the same fallback (``--fallback-upstream``, e.g. the origin):
+    while the upstream answers, the fallback is asked for its list and serves no byte; once the upstream is
+    frozen (SIGSTOP: connections open, nothing answered) the next mirror takes the version from the
+    fallback after ``--fallback-after`` seconds, verified."""
+    from veriroll.shardcast.store import version_dir
+
     base = make_coordinator_dir(tmp_path)
     pub = base / "coordinator.key.pub"
     publish_version_0(base, base / "checkpoints" / "versions" / "v000000", tmp_path / "store-a", shard_bytes=256 * 1024)
     shutil.copytree(tmp_path / "store-a", tmp_path / "store-b", copy_function=os.link)
-    frozen = start_relay(fleet, "relay-frozen", tmp_path / "store-a", pub)
-    other = start_relay(fleet, "relay-other", tmp_path / "store-b", pub)
-    fleet.signal("relay-frozen", signal.SIGSTOP)
+    upstream = start_relay(fleet, "relay-upstream", tmp_path / "store-a", pub)
+    fallback = start_relay(fleet, "relay-fallback", tmp_path / "store-b", pub)
+    options = ["--fallback-upstream", fallback, "--fallback-after", "2"]
+    start_relay(fleet, "mirror-healthy", tmp_path / "store-h", pub, upstreams=[upstream], extra=options)
+    assert relay_status(fallback)["load"]["bytes_served_total"] == 0  # the upstream kept up
+    assert relay_status(upstream)["load"]["bytes_served_total"] > 0
+    fleet.signal("relay-upstream", signal.SIGSTOP)
     try:
-        mirror = start_relay(fleet, "relay-mirror", tmp_path / "store-m", pub, upstreams=[frozen, other])
+        rescued = start_relay(fleet, "mirror-rescued", tmp_path / "store-m", pub, upstreams=[upstream], extra=options)
     finally:
-        fleet.signal("relay-frozen", signal.SIGCONT)
-    from veriroll.shardcast.store import version_dir
-
-    assert relay_status(mirror)["versions"] == [0]
+        fleet.signal("relay-upstream", signal.SIGCONT)
+    status = relay_status(rescued)
+    assert status["versions"] == [0] and status["fallbacks"] == [fallback]
     source, mirrored = version_dir(tmp_path / "store-a", 0), version_dir(tmp_path / "store-m", 0)
     held = sorted(p.name for p in source.iterdir())
     assert sorted(p.name for p in mirrored.iterdir()) == held
     assert_same_files(source, mirrored, held)
-    assert relay_status(other)["load"]["bytes_served_total"] > 0  # from the second upstream
+    assert relay_status(fallback)["load"]["bytes_served_total"] > 0
 
 
 def test_a_relay_serving_tampered_shards_is_reported_and_the_node_still_gets_the_true_checkpoint(tmp_path, fleet):
