@@ -60,6 +60,7 @@ class Ledger:
         self._cache: OrderedDict[str, tuple[NodeInfo | None, int]] = OrderedDict()
         self._changes_since: int | None = None  # the feed's read position (the database's ms), None before it
         self._applied: dict[int, int] = {}  # seq -> changed ms of the changes inside the slack window
+        self._past_seq = -1  # after a page overflowed: changes of _changes_since's millisecond up to it were covered
 
     # --- who is asking ------------------------------------------------------------------------------
 
@@ -96,14 +97,17 @@ class Ledger:
         if self._changes_since is None:  # start at the newest change, less the slack, like any later read
             newest = await self.db.run_read(st.newest_standing_change_ms)
             self._changes_since = 0 if newest is None else max(0, newest - CHANGES_SLACK_MS)
-        since = self._changes_since
-        rows = await self.db.run_read(lambda c: st.standing_changes(c, since, CHANGES_PAGE))
+        since, past_seq = self._changes_since, self._past_seq
+        rows = await self.db.run_read(lambda c: st.standing_changes(c, since, CHANGES_PAGE, past_seq))
         if len(rows) >= CHANGES_PAGE:
-            # More changes than a page (a mass ban): drop the whole cache and go on past them; a node read
-            # again from here on is read as it is now.
+            # More changes than a page (a mass ban): drop the whole cache and go on past every change noted
+            # before the drop; a node read again from here on is read as it is now. Past them is past the
+            # newest change's seq within its millisecond, not past the millisecond: a change noted in that
+            # same millisecond after the drop (seen: the next standing change, on a fast machine) still arrives.
+            newest_ms, newest_seq = await self.db.run_read(st.newest_standing_change)
             dropped = len(self._cache)
             self._cache.clear()
-            self._changes_since, self._applied = max(ms for _, _, ms in rows) + 1, {}
+            self._changes_since, self._past_seq, self._applied = newest_ms, newest_seq, {}
             return dropped
         dropped = 0
         for seq, node_id, changed_ms in rows:
@@ -113,6 +117,8 @@ class Ledger:
         if rows:
             self._changes_since = max(since, max(ms for _, _, ms in rows) - CHANGES_SLACK_MS)
             self._applied = {seq: ms for seq, ms in self._applied.items() if ms >= self._changes_since}
+            if self._changes_since != since:  # moved past the millisecond the seq bound was for
+                self._past_seq = -1
         return dropped
 
     # --- registration and liveness ------------------------------------------------------------------

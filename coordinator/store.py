@@ -1512,17 +1512,24 @@ STANDING_CHANGES_KEPT_MS = 3_600_000
 """How long a noted change is kept (past the newest one): far longer than any process goes without reading."""
 
 
-def standing_changes(conn: sqlite3.Connection, since_ms: int, limit: int) -> list[tuple[int, str, int]]:
+def standing_changes(conn: sqlite3.Connection, since_ms: int, limit: int, after_seq: int = -1
+                     ) -> list[tuple[int, str, int]]:
     """(seq, node id, changed ms) of the changes noted at or after ``since_ms`` (the database's clock), oldest
-    first, at most ``limit``."""
+    first, at most ``limit``; of those noted at ``since_ms`` itself only the ones past ``after_seq`` (a reader
+    that went past a page of them goes on from there, rather than skipping the rest of that millisecond)."""
     return [(int(r[0]), r[1], int(r[2])) for r in conn.execute(
-        "SELECT seq, node_id, changed_ms FROM standing_changes WHERE changed_ms >= ? ORDER BY seq LIMIT ?",
-        (since_ms, limit))]
+        "SELECT seq, node_id, changed_ms FROM standing_changes WHERE changed_ms >= ? AND (changed_ms > ? OR seq > ?) "
+        "ORDER BY seq LIMIT ?", (since_ms, since_ms, after_seq, limit))]
 
 
 def newest_standing_change_ms(conn: sqlite3.Connection) -> int | None:
-    row = conn.execute("SELECT MAX(changed_ms) FROM standing_changes").fetchone()
-    return None if row[0] is None else int(row[0])
+    return newest_standing_change(conn)[0]
+
+
+def newest_standing_change(conn: sqlite3.Connection) -> tuple[int | None, int]:
+    """The newest change's millisecond and the highest seq noted so far ((None, -1) before any)."""
+    ms, seq = conn.execute("SELECT MAX(changed_ms), MAX(seq) FROM standing_changes").fetchone()
+    return (None, -1) if ms is None else (int(ms), int(seq))
 
 
 def forget_standing_changes(conn: sqlite3.Connection) -> int:
