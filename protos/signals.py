@@ -50,15 +50,24 @@ def release_signals(handler: Callable = leave_now, loop: asyncio.AbstractEventLo
     thread only diverts a signal to another thread, where its default action applies (seen: a SIGTERM so
     diverted ended the process, status -15, in 1 of 3 runs of a test whose second signal closely followed
     the first). Leaving the loop its handlers instead (set only ours) let its close reset them: a second
-    Ctrl-C right after then raised KeyboardInterrupt (status -2, seen once in the suite)."""
+    Ctrl-C right after then raised KeyboardInterrupt (status -2, seen once in the suite). For SIGINT the
+    removal's default is Python's ``default_int_handler``, which only raises KeyboardInterrupt in this
+    thread: caught here and handed to ``handler`` (seen again, -2, once in the suite before that). For
+    SIGTERM the microseconds of SIG_DFL remain."""
     if threading.current_thread() is not threading.main_thread():
         return
     loop = loop or asyncio.get_running_loop()
     for sig in STOP_SIGNALS:
         signal.signal(sig, handler)
-        with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
-            loop.remove_signal_handler(sig)  # the last one removed also clears asyncio's wakeup fd
-        signal.signal(sig, handler)
+        try:
+            with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
+                loop.remove_signal_handler(sig)  # the last one removed also clears asyncio's wakeup fd
+            signal.signal(sig, handler)
+        except KeyboardInterrupt:
+            # A SIGINT in the instant the removal left Python's default_int_handler in place (it is a
+            # Python-level handler: the signal was only noted, and raised here): it is ``handler``'s signal.
+            signal.signal(sig, handler)
+            handler(signal.SIGINT, None)
 
 
 def leave_on_signals(handler: Callable = leave_now) -> None:

@@ -13,7 +13,7 @@ import sys
 import pytest
 
 from veriroll.coordinator.event_loop import loop_runner
-from veriroll.protos.signals import STOP_SIGNALS, then_release_signals
+from veriroll.protos.signals import STOP_SIGNALS, release_signals, then_release_signals
 
 LOOPS = ["asyncio", "uvloop"]
 
@@ -110,3 +110,33 @@ def test_a_signal_after_serving_leaves_at_once_while_asyncio_run_waits_on_a_stuc
         if how == "released":
             assert "Traceback" not in err and "Exception ignored" not in err, err
     assert outcomes == {"released": 0, "bare": None}, errs
+
+
+def test_a_sigint_raised_while_the_loop_forgets_its_handler_is_handed_to_the_handler():
+    """The loop's removal of its SIGINT handler puts Python's default_int_handler back for an instant; a SIGINT
+    noted then is raised as KeyboardInterrupt in this thread. release_signals hands it to the handler (before,
+    it escaped the command's end: status -2, seen in the suite) and leaves the handler in place."""
+
+
+    class Loop:  # the removal, with a SIGINT landing in it
+        def remove_signal_handler(self, sig):
+            if sig == signal.SIGINT:
+                raise KeyboardInterrupt
+
+    got = []
+
+    def handler(signum, _frame):
+        got.append(signum)
+
+    before = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
+    try:
+        try:
+            release_signals(handler, Loop())
+        except KeyboardInterrupt:
+            pytest.fail("the SIGINT escaped release_signals as KeyboardInterrupt")
+        now = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
+    finally:
+        for sig, old in before.items():
+            signal.signal(sig, old)
+    assert got == [signal.SIGINT]
+    assert now == {sig: handler for sig in STOP_SIGNALS}
