@@ -425,14 +425,13 @@ async def start_http(coord) -> web.AppRunner:
                            keepalive_timeout=backstop_s, max_line_size=MAX_REQUEST_LINE,
                            max_field_size=MAX_HEADER_FIELD, max_headers=MAX_HEADERS)
     await runner.setup()
-    budget = getattr(coord, "descriptors", None)
     limits = ConnectionLimits(PeerGate(server_cfg.http_connections_per_address),
                               first_head_s=server_cfg.handshake_timeout_s, idle_s=server_cfg.idle_timeout_s,
                               refused=coord.service.metrics.registry.counter(
                                   "veriroll_http_refused_total", "connections to the HTTP port closed by a limit, "
                                   "by reason (connections, connections_per_address, request_head_timeout)",
                                   ("reason",)),
-                              max_open=budget.http_connections if budget is not None else server_cfg.http_max_connections)
+                              max_open=coord.descriptors.http_connections)  # set before the ports start
     site = _LimitedSite(runner, server_cfg.host, server_cfg.http_port, limits,
                         reuse_port=server_cfg.reuse_port or coord.cfg.role == "edge")
     await site.start()

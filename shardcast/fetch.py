@@ -127,6 +127,11 @@ SMALL_ANSWER_S = 5.0
 to hundreds of clients; one that stopped answering (a paused machine, a path that drops packets) is given
 up after this instead of the whole read timeout, which every fetch paid again (and a mirror twice per
 round: its own probe, then the fetch's)."""
+
+
+def small_answer_timeout(connect_timeout: float, read_timeout: float) -> aiohttp.ClientTimeout:
+    """The whole-request timeout of a small answer (``/status``, a manifest): see ``SMALL_ANSWER_S``."""
+    return aiohttp.ClientTimeout(total=connect_timeout + min(read_timeout, SMALL_ANSWER_S))
 CHUNK = 1024 * 1024
 JOURNAL_NAME = ".shardcast-progress"
 PARTIAL_SUFFIX = ".shardcast-partial"
@@ -404,7 +409,7 @@ class _Fetch:
             total=None, sock_connect=connect_timeout, sock_read=read_timeout, connect=connect_timeout * 2
         )
         # the status probe and manifests are small: bound them as a whole
-        self.small_timeout = aiohttp.ClientTimeout(total=connect_timeout + min(read_timeout, SMALL_ANSWER_S))
+        self.small_timeout = small_answer_timeout(connect_timeout, read_timeout)
         self.max_attempts = max_attempts or max(5, 3 * len(self.relays))
         self.fsync = fsync
         self.verify_files = verify_files

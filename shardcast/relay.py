@@ -103,7 +103,13 @@ from aiohttp import web
 from veriroll.protos.identity import PublicKey, load_public_key
 
 from .errors import ShardcastError
-from .fetch import DEFAULT_CONNECT_TIMEOUT, SMALL_ANSWER_S, FetchResult, fetch_version, normalize_relay_url
+from .fetch import (
+    DEFAULT_CONNECT_TIMEOUT,
+    FetchResult,
+    fetch_version,
+    normalize_relay_url,
+    small_answer_timeout,
+)
 from .manifest import Manifest, verify_manifest
 from .store import DELTA_NAME, MANIFEST_NAME, list_versions, prune, remove_tree, version_dir
 
@@ -794,8 +800,7 @@ class RelayServer:
     # ---- mirroring
 
     async def _upstream_versions(self, session: aiohttp.ClientSession, urls: Sequence[str]) -> set[int]:
-        timeout = aiohttp.ClientTimeout(total=DEFAULT_CONNECT_TIMEOUT + min(self.fetch_options.get("read_timeout", 20.0),
-                                                                           SMALL_ANSWER_S))
+        timeout = small_answer_timeout(DEFAULT_CONNECT_TIMEOUT, self.fetch_options.get("read_timeout", 20.0))
 
         async def one(url: str) -> list[int]:
             try:
