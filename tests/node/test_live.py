@@ -102,11 +102,12 @@ def test_a_problem_shows_with_its_age_until_the_node_recovers():
     assert "last problem 5 s ago: rate_limited" in status_line(s, at + 5)
     for _ in range(RECOVERY_OKS - 1):
         s.note_ok()
-    assert current_problem(s, at + 90) == "last problem 2 min ago: rate_limited: too many requests"
+    # 100 s: away from a rounding boundary (90 s is 1.5 min, which a float clock puts on either side).
+    assert current_problem(s, at + 100) == "last problem 2 min ago: rate_limited: too many requests"
     s.note_ok()  # enough successful exchanges since: recovered
-    assert current_problem(s, at + 90) == "" and "last problem" not in status_line(s, at + 90)
+    assert current_problem(s, at + 100) == "" and "last problem" not in status_line(s, at + 100)
     console = Console(record=True, width=110, color_system=None)
-    console.print(status_panel(s, now=at + 90))
+    console.print(status_panel(s, now=at + 100))
     assert "last problem" not in console.export_text()
 
     fresh = NodeStatus(node_id="x", connected=True, last_error="unavailable")  # stamped when built with one too
