@@ -2,8 +2,8 @@
 
 Starts the coordinator (trainer, verifier, origin relay), a chain of relays, honest nodes and
 adversarial nodes; trains until the target reward (or ``--steps``); shows a live table; writes a run
-directory with every process's log, the metrics history and a reward-curve PNG; ``--json`` prints a
-one-line summary.
+directory with every process's log, the metrics history, a reward-curve PNG and ``summary.json``; prints
+a dozen lines for a person at the end (``--json``: the summary as one JSON line instead).
 
 ``--wan 'rtt=100ms,down=100mbit,up=20mbit'`` puts every host behind an emulated link
 (``veriroll.deploy.wan``, one proxy process): the coordinator (its gRPC port and origin relay), each relay
@@ -311,8 +311,10 @@ class Testnet:
                                    and by_node_name[nid].adversary not in HONEST_PAYLOAD_KINDS)
         history = snap.get("history", [])
         final_reward = history[-1].get("reward_running", history[-1].get("reward")) if history else snap.get("recent_reward", 0.0)
+        first_reward = history[0].get("reward") if history else None
         return {
             "steps": int(snap.get("kv", {}).get("trainer_step", 0)),
+            "first_reward": None if first_reward is None else round(float(first_reward), 4),
             "final_reward": round(float(final_reward or 0.0), 4),
             "accepted_groups": int(snap.get("accepted_groups", 0)),
             "rejections_by_reason": rejections_by_reason,
@@ -588,8 +590,41 @@ def run(cfg: TestnetConfig, run_dir: Path, *, live: bool, as_json: bool, wan: Wa
     if as_json:
         print(json.dumps(summary))
     else:
-        print(json.dumps(summary, indent=2))
+        adversaries = sorted(p.name for p in net.procs if p.adversary)
+        print(human_summary(summary, adversaries, run_dir))
     return status
+
+
+def human_summary(summary: dict, adversaries: list[str], run_dir: Path) -> str:
+    """What a person reads at the end of a run: a dozen lines; the whole record is ``summary.json``."""
+    first = summary.get("first_reward")
+    rejections = summary.get("rejections_by_reason") or {}
+    by_node = summary.get("rejections_by_node") or {}
+    unjudged = summary.get("adversaries_unjudged") or []
+    to_95 = [v["to_95pct_s"] for v in (summary.get("broadcast") or {}).values() if v.get("to_95pct_s") is not None]
+    lines = [
+        f"veriroll testnet: {summary['steps']} steps in {summary['wall_s']:.0f} s, policy version {summary['policy_version']}",
+        f"  reward         {'-' if first is None else f'{first:.2f}'} at the first step, {summary['final_reward']:.2f} at the last",
+        f"  groups         {summary['accepted_groups']:,} accepted ({summary['groups_per_s']:.2f}/s)",
+        "  rejections     " + (", ".join(f"{reason} {n:,}" for reason, n in sorted(rejections.items(), key=lambda kv: -kv[1]))
+                              or "none"),
+        f"  honest nodes   {summary['honest_rejected']:,} groups refused for a reason only dishonesty gives",
+        f"  adversaries    {len(adversaries) - len(unjudged)} of {len(adversaries)} judged, {summary['adversarial_accepted']:,} "
+        f"of their groups accepted" + "".join(f"; {name}: " + ", ".join(f"{r} {n}" for r, n in sorted(by_node[name].items()))
+                                              for name in adversaries if by_node.get(name)),
+        f"  broadcast      95% of nodes held a version {_p95(to_95)} after publishing ({len(to_95)} versions)"
+        if to_95 else "  broadcast      no version reached 95% of the nodes",
+        f"  staleness      {', '.join(f'{k}: {n:,}' for k, n in (summary.get('staleness_hist') or {}).items()) or '-'} samples",
+        f"  run folder     {run_dir}",
+        f"  reward plot    {summary.get('reward_curve') or '(matplotlib missing: none drawn)'}",
+        f"  full summary   {run_dir / 'summary.json'} (--json prints it)",
+    ]
+    return "\n".join(lines)
+
+
+def _p95(values: list[float]) -> str:
+    ordered = sorted(values)
+    return f"p95 {ordered[max(0, -(-95 * len(ordered) // 100) - 1)]:.1f} s, p50 {ordered[(len(ordered) - 1) // 2]:.1f} s"
 
 
 # The network shape each model preset runs best as on a CPU machine, applied before --config's own
