@@ -13,10 +13,13 @@ character-level presets and their tests depend on those ids bit for bit.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from typing import get_args
+
+from veriroll.coordinator.config import ChatTemplate
 
 __all__ = ["CHAT_TEMPLATE_MODES", "PromptRenderError", "PromptRenderer", "prompt_messages"]
 
-CHAT_TEMPLATE_MODES = ("auto", "always", "never")
+CHAT_TEMPLATE_MODES = get_args(ChatTemplate)
 
 
 class PromptRenderError(ValueError):
