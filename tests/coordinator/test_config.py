@@ -33,8 +33,8 @@ def test_a_choice_outside_its_names_is_refused_naming_the_field_and_the_names(mo
 
 
 def test_the_parts_check_the_same_names_the_config_takes():
-    assert EVENT_LOOPS == get_args(EventLoop)
-    assert CORRECTIONS == get_args(Correction)
-    assert CHAT_TEMPLATE_MODES == get_args(ChatTemplate)
+    assert get_args(EventLoop) == EVENT_LOOPS
+    assert get_args(Correction) == CORRECTIONS
+    assert get_args(ChatTemplate) == CHAT_TEMPLATE_MODES
     cfg = load_config(CoordinatorConfig, overrides=["trainer.correction=mixed", "role=trainer", "model_dtype=bfloat16"])
     assert (cfg.trainer.correction, cfg.role, cfg.model_dtype) == ("mixed", "trainer", "bfloat16")
