@@ -235,7 +235,7 @@ async def _start(base: Path, cfg: CoordinatorConfig, lock: DirectoryLock | None)
     peer_directory = PeerDirectory(key, exchange=exchange)
     service = CoordinatorService(
         cfg, db, environment=env, tokenizer=policy_store.tokenizer, vocab_size=policy_store.vocab_size,
-        stop_token_ids=cfg.leases.stop_token_ids or policy_store.stop_token_ids, coordinator_key=key.public, policy=policy,
+        stop_token_ids=policy_store.stop_token_ids, coordinator_key=key.public, policy=policy,
         verifier=verifier, metrics=metrics, peer_directory=peer_directory,
     )
     coord = Coordinator(base, cfg, db, service, policy_store, lock=lock)

@@ -89,8 +89,9 @@ class LeaseConfig(_Section):
     temperature: float = Field(1.0, gt=0, description="sampling temperature")
     max_new_tokens: int = Field(8, ge=1, description="max generated tokens per sample")
     ttl_s: float = Field(60.0, gt=0, description="lease lifetime; an expired lease returns its prompt to the pool")
-    stop_token_ids: list[int] = Field(default_factory=list, description="tokens that end a sample; empty: the model's "
-                                      "own (EOS from config and generation_config, plus the chat template's end-of-turn)")
+    stop_token_ids: list[int] = Field(default_factory=list, description="tokens that end a sample, exactly these (nothing "
+                                      "is added); empty: the model's own (EOS from config and generation_config, plus "
+                                      "the chat template's end-of-turn)")
     max_open_per_node: int = Field(2, ge=1, description="leases a node may hold at once")
     queue_maxsize: int = Field(64, ge=1, description="no new leases while this many accepted groups wait for the trainer")
     probation_max_open: int = Field(1, ge=1, description="leases a node on probation may hold at once")

@@ -75,10 +75,11 @@ class PolicyStore:
     @property
     def stop_token_ids(self) -> list[int]:
         """The model's own stop tokens: EOS (config, generation config, tokenizer) and the chat template's
-        end-of-turn token; ``leases.stop_token_ids`` overrides them."""
-        from veriroll.coordinator.models import tokenizer_facts
+        end-of-turn token (``models.checkpoint_facts``). What leases carry is decided from them by
+        ``PromptRenderer.stop_token_ids``, where ``leases.stop_token_ids`` replaces them."""
+        from veriroll.coordinator.models import checkpoint_facts
 
-        return tokenizer_facts(self.tokenizer, self.model_config, self.generation_config).stop_token_ids
+        return checkpoint_facts(self.version_dir(self.available()[0]), self.tokenizer).stop_token_ids
 
 
 class PolicyState:

@@ -88,9 +88,15 @@ class PromptRenderer:
             raise PromptRenderError("the chat template rendered an empty prompt")
         return ids
 
-    def stop_token_ids(self, eos_token_ids: list[int]) -> list[int]:
-        """Where generation stops: the model's EOS ids, and with the chat template also the tokenizer's EOS
-        and the token that ends a turn (``<|im_end|>``, ``<|eot_id|>``, ...), so a completion never runs into a new turn."""
+    def stop_token_ids(self, eos_token_ids: list[int], override: list[int] | tuple[int, ...] = ()) -> list[int]:
+        """Where generation stops, which every lease carries: the one place it is decided.
+
+        The operator's ``override`` (``leases.stop_token_ids``), when given, is final: exactly those ids, nothing
+        added. Otherwise the model's EOS ids (``PolicyStore.stop_token_ids``), and with the chat template also the
+        tokenizer's EOS and the token that ends a turn (``<|im_end|>``, ``<|eot_id|>``, ...), so a completion
+        never runs into a new turn."""
+        if override:
+            return [int(i) for i in override]
         if not self.uses_chat_template:
             return [int(i) for i in eos_token_ids]
         from veriroll.coordinator.models import tokenizer_facts

@@ -135,7 +135,7 @@ class CoordinatorService:
         # tokenizer without a template.
         self.renderer = PromptRenderer(tokenizer, system_prompt=ec.system_prompt, chat_template=ec.chat_template,
                                        encode_text=self.codec.encode)
-        self.stop_token_ids = self.renderer.stop_token_ids(list(stop_token_ids))
+        self.stop_token_ids = self.renderer.stop_token_ids(list(stop_token_ids), override=cfg.leases.stop_token_ids)
         inline = ec.inline_bounded_rewards and getattr(getattr(environment, "rubric", None), "bounded", False)
         self.rewards = rewards or RewardRunner(ec.name, ec.kwargs, timeout_s=ec.reward_timeout_s,
                                                workers=ec.reward_workers, inline=environment if inline else None)
