@@ -74,9 +74,8 @@ class Trainer:
                         self.tcfg.groups_per_step, self.min_groups)
         from veriroll.coordinator.models import DTYPES
 
-        if cfg.model_dtype not in DTYPES:
-            raise ValueError(f"model_dtype must be one of {', '.join(DTYPES)}, got {cfg.model_dtype!r}")
-        # Published versions are in the operator's dtype; the trainer's own weights stay float32.
+        # Published versions are in the operator's dtype (the config takes only DTYPES' names); the
+        # trainer's own weights stay float32.
         self.publish_dtype = DTYPES[cfg.model_dtype]
         self.db = db
         self.policy_store = policy_store
