@@ -89,6 +89,7 @@ def _step_sums(model, batch: RolloutBatch, cfg: TrainerConfig, s_max: int, ref_m
 
 
 def step_means(sums: dict) -> dict:
+    """The step's diagnostics as means, from the weighted sums of all its micro-batches (and ranks)."""
     d = max(sums["tokens_used"], 1.0)  # the loss's own denominator, max(Σw, 1), over the whole step
     out = {k: sums[k] / d for k in ("loss", "pg_loss", "approx_kl", "clipfrac", "tis_capped_frac", "ratio_mean", "kl_ref")}
     out["entropy"] = sums["entropy"] / max(sums["response_tokens"], 1.0)
@@ -173,6 +174,7 @@ def accumulate(model, parts: list[RolloutBatch], cfg: TrainerConfig, s_max: int,
 
 
 def scale_gradients(model: torch.nn.Module, factor: float) -> None:
+    """Multiply every gradient by ``factor`` (the summed loss's gradient into the normalized one)."""
     for p in model.parameters():
         if p.grad is not None:
             p.grad.mul_(factor)
@@ -191,6 +193,8 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: 
 
 
 def apply_update(model, optimizer, cfg: TrainerConfig, metrics: dict) -> dict:
+    """Clip the gradients and take the optimizer step (skipped when their norm is not finite); ``metrics``
+    with ``grad_norm``, ``lr`` and ``skipped_nonfinite`` added."""
     grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm))
     metrics["grad_norm"] = grad_norm
     metrics["lr"] = float(optimizer.param_groups[0]["lr"])
