@@ -14,6 +14,7 @@ import os
 import resource
 import signal
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -39,6 +40,7 @@ PORTS_NAME = "ports.json"
 LOCK_NAME = "coordinator.lock"
 STOP_WAIT_S = 6.0  # what the parts get to close after a stop signal (docker stop kills at 10 s)
 MEMORY_RELEASE_EVERY_S = 5.0
+TRAINER_POLL_S = 0.2  # how often a waiting trainer looks for fresh groups
 
 
 def load_coordinator_config(base_dir: Path, overrides=()) -> CoordinatorConfig:
@@ -233,7 +235,7 @@ async def _start(base: Path, cfg: CoordinatorConfig, lock: DirectoryLock | None)
     peer_directory = PeerDirectory(key, exchange=exchange)
     service = CoordinatorService(
         cfg, db, environment=env, tokenizer=policy_store.tokenizer, vocab_size=policy_store.vocab_size,
-        stop_token_ids=cfg.leases.stop_token_ids or policy_store.stop_token_ids, coordinator_key=key.public, policy=policy,
+        stop_token_ids=policy_store.stop_token_ids, coordinator_key=key.public, policy=policy,
         verifier=verifier, metrics=metrics, peer_directory=peer_directory,
     )
     coord = Coordinator(base, cfg, db, service, policy_store, lock=lock)
@@ -285,8 +287,8 @@ async def _start_parts(coord: Coordinator, key) -> None:
                                                         max_connections=budget.grpc_connections))
         coord.server, coord.grpc_port = server, port
     await _listening("HTTP (metrics, dashboard)", "server.http_port", host, cfg.server.http_port, start_http(coord))
-    if role == "edge":
-        # The trainer of another process moves the policy on; this edge follows what the store says.
+    if role in ("edge", "verifier"):
+        # The trainer of another process moves the policy on; this process follows what the store says.
         coord.tasks.append(asyncio.create_task(_follow_policy(coord), name="veriroll-follow-policy"))
     if role in ("all", "edge") and cfg.verifier.pool and coord.service.verifier is not None:
         from veriroll.coordinator.verifier_pool import VerdictWaiter
@@ -296,9 +298,6 @@ async def _start_parts(coord: Coordinator, key) -> None:
     if role == "verifier" or (role == "all" and cfg.verifier.pool and coord.service.verifier is not None):
         _start_verifier_pool(coord)
     if cfg.trainer.enabled and role in ("all", "trainer"):
-        # Imported here (unconditionally when enabled) only because it is heavy; an ImportError propagates.
-        from veriroll.coordinator.trainer import start_trainer
-
         await start_trainer(coord)
     if role != "verifier":
         coord.tasks.append(asyncio.create_task(_housekeeping(coord)))
@@ -335,8 +334,75 @@ def _start_verifier_pool(coord: Coordinator) -> None:
                     cfg.leases.ttl_s)
 
 
+async def start_trainer(coord: Coordinator):
+    """Resume the trainer of ``coord`` and keep it stepping in a worker thread until the coordinator stops;
+    returns the :class:`Trainer`.
+
+    After a step that publishes, the new version is announced on the event loop (:func:`_announce`):
+    handed to shardcast where the coordinator has a publisher, then made current, so that nodes are told
+    it (``coord.service.policy.version``) only once a relay serves it.
+    """
+    # Imported here (unconditionally when enabled) only because it is heavy; an ImportError propagates.
+    from veriroll.coordinator.trainer import Trainer
+
+    trainer = Trainer(coord.cfg, coord.db, coord.policy_store, metrics=coord.service.metrics,
+                      policy=coord.service.policy, advances_policy=False)
+    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="veriroll-trainer")
+    loop = asyncio.get_running_loop()
+    await loop.run_in_executor(pool, trainer.resume)
+    coord.trainer = trainer
+    await _announce_unannounced(coord, trainer)
+    coord.tasks.append(asyncio.create_task(_train_forever(coord, trainer, pool), name="veriroll-trainer"))
+
+    async def close() -> None:
+        # Let a step in flight finish (and commit) before the store closes.
+        await asyncio.to_thread(pool.shutdown, True)
+
+    coord.closers.append(close)
+    return trainer
+
+
+async def _train_forever(coord: Coordinator, trainer, pool: ThreadPoolExecutor) -> None:
+    loop = asyncio.get_running_loop()
+    while True:
+        try:
+            outcome = await loop.run_in_executor(pool, trainer.step)
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # the coordinator keeps serving; the step was rolled back, or training stops
+            if trainer.broken:
+                log.exception("trainer stopped")
+                return
+            log.exception("trainer step failed and was rolled back to the last checkpoint; retrying in 5 s")
+            # A step that failed after its commit left a version committed but not yet current.
+            await _announce_unannounced(coord, trainer)
+            await asyncio.sleep(5.0)
+            continue
+        if outcome.published is not None:
+            await _announce(coord, trainer, outcome.published)
+        if outcome.kind != "trained":
+            await asyncio.sleep(TRAINER_POLL_S if outcome.kind == "waiting" else 1.0)
+
+
+async def _announce_unannounced(coord: Coordinator, trainer) -> None:
+    if trainer.unannounced is not None:
+        await _announce(coord, trainer, trainer.unannounced)
+
+
+async def _announce(coord: Coordinator, trainer, version: int) -> None:
+    """Make a committed version current once shardcast holds it: published first (signed manifest, origin
+    relay), then made current by the trainer, so nodes are never told a version no relay serves."""
+    if hasattr(coord, "publish_version"):
+        try:
+            await coord.publish_version(version)
+        except Exception:  # announced anyway: nodes get it from the disk-backed origin on retry
+            log.exception("handing version %d to shardcast failed", version)
+    trainer.make_current(version)
+
+
 async def _follow_policy(coord: Coordinator, every_s: float = 1.0) -> None:
-    """An edge's view of the policy: the version the trainer committed, and where the publisher announced it."""
+    """The policy of a process without the trainer (an edge, a verifier): the version the trainer committed,
+    and where the publisher announced it."""
     while True:
         try:
             version, announced = await coord.db.run_read(
@@ -350,7 +416,6 @@ async def _follow_policy(coord: Coordinator, every_s: float = 1.0) -> None:
                     policy.manifest_path = announced.get("manifest_path", policy.manifest_path)
             if version > policy.version:
                 policy.advance(version)
-                coord.service.metrics.policy_version.set(version)
         except st.StoreUnavailable as exc:  # PostgreSQL restarting: one line a second, not a traceback
             log.warning("reading the policy version: the store is unavailable (%s)", exc)
         except Exception:  # keep following; one failed read must not freeze the edge's policy

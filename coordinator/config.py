@@ -7,6 +7,7 @@ line with ``--set section.field=value`` or from the environment with ``VERIROLL_
 from __future__ import annotations
 
 import ipaddress
+from typing import Literal
 
 from packaging.version import InvalidVersion, Version
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -15,6 +16,15 @@ from veriroll.protos.pow import DEFAULT_BITS
 from veriroll.protos.version import SOFTWARE_VERSION
 
 DEFAULT_GRPC_PORT, DEFAULT_ORIGIN_PORT, DEFAULT_HTTP_PORT = 50051, 8470, 8480
+
+# The choices of the fields that take one of a few names: a value outside them is refused when the config
+# is loaded, with the field's dotted name and the allowed values (pydantic's literal_error).
+EventLoop = Literal["auto", "uvloop", "asyncio"]
+ChatTemplate = Literal["auto", "always", "never"]
+Correction = Literal["mixed", "decoupled"]
+Autocast = Literal["auto", "bfloat16", "off"]
+Role = Literal["all", "edge", "trainer", "verifier"]
+ModelDtype = Literal["float32", "bfloat16", "float16"]
 
 
 class _Section(BaseModel):
@@ -56,21 +66,12 @@ class ServerConfig(_Section):
                              "processes on one host share them (the kernel spreads connections); role 'edge' sets it")
     body_timeout_s: float = Field(10.0, gt=0, description="a gRPC call's request body must arrive within this after its "
                                   "headers (it is read only once the address has a free slot and the call a deadline)")
-    event_loop: str = Field("auto", description="the event loop the process serves on: 'uvloop' (libuv; 5-10% less CPU "
+    event_loop: EventLoop = Field("auto", description="the event loop the process serves on: 'uvloop' (libuv; 5-10% less CPU "
                             "per request measured, coordinator/event_loop.py), 'asyncio' (the standard library's), or "
                             "'auto': uvloop where it is installed. Logged at start")
     min_node_version: str = Field(SOFTWARE_VERSION, description="oldest node release (its Register's software_version, "
                                   "PEP 440) accepted; older ones are refused node_too_old with the upgrade command. "
                                   "Default: the coordinator's own release; empty: any")
-
-    @field_validator("event_loop")
-    @classmethod
-    def _known_loop(cls, value: str) -> str:
-        from veriroll.coordinator.event_loop import EVENT_LOOPS
-
-        if value not in EVENT_LOOPS:
-            raise ValueError(f"event_loop: {value!r} is not one of {', '.join(EVENT_LOOPS)}")
-        return value
 
     @field_validator("min_node_version")
     @classmethod
@@ -88,8 +89,9 @@ class LeaseConfig(_Section):
     temperature: float = Field(1.0, gt=0, description="sampling temperature")
     max_new_tokens: int = Field(8, ge=1, description="max generated tokens per sample")
     ttl_s: float = Field(60.0, gt=0, description="lease lifetime; an expired lease returns its prompt to the pool")
-    stop_token_ids: list[int] = Field(default_factory=list, description="tokens that end a sample; empty: the model's "
-                                      "own (EOS from config and generation_config, plus the chat template's end-of-turn)")
+    stop_token_ids: list[int] = Field(default_factory=list, description="tokens that end a sample, exactly these (nothing "
+                                      "is added); empty: the model's own (EOS from config and generation_config, plus "
+                                      "the chat template's end-of-turn)")
     max_open_per_node: int = Field(2, ge=1, description="leases a node may hold at once")
     queue_maxsize: int = Field(64, ge=1, description="no new leases while this many accepted groups wait for the trainer")
     probation_max_open: int = Field(1, ge=1, description="leases a node on probation may hold at once")
@@ -129,7 +131,7 @@ class EnvironmentConfig(_Section):
     seed: int = Field(0, description="seed of the prompt stream")
     system_prompt: str = Field("", description="system message before every prompt (chat template) or its text "
                                                 "(plain prompts); empty: none")
-    chat_template: str = Field("auto", pattern="^(auto|always|never)$",
+    chat_template: ChatTemplate = Field("auto",
                                description="render prompts with the model's chat template: 'auto' when its tokenizer "
                                            "has one, 'always' (an error at start if it has none), 'never' (plain text)")
     reward_timeout_s: float = Field(5.0, gt=0, description="time limit per sample for the reward functions; over it the "
@@ -188,7 +190,7 @@ class TrainerConfig(_Section):
     eps_low: float = Field(0.2, description="PPO clip below 1")
     eps_high: float = Field(0.28, description="PPO clip above 1")
     tis_cap: float = Field(4.0, description="truncated importance sampling cap")
-    correction: str = Field("decoupled", description="'mixed' (ratio vs node log-probs) or 'decoupled' (vs verifier's)")
+    correction: Correction = Field("decoupled", description="'mixed' (ratio vs node log-probs) or 'decoupled' (vs verifier's)")
     std_scale: bool = Field(False, description="divide advantages by the group std")
     staleness_gamma: float | None = Field(None, description="soft staleness weight gamma**s (None: off)")
     kl_coef: float = Field(0.0, ge=0, description="KL penalty coefficient against version 0")
@@ -198,7 +200,7 @@ class TrainerConfig(_Section):
     threads: int = Field(1, ge=1, description="torch threads for training")
     micro_batch_tokens: int = Field(2048, ge=1, description="most padded tokens (rows x longest row) per forward/backward; a step is split by length into micro-batches")
     gradient_checkpointing: bool = Field(False, description="recompute each decoder layer's activations in the backward pass instead of keeping them: less memory for about one more forward of compute")
-    autocast: str = Field("auto", pattern="^(auto|bfloat16|off)$", description="bf16 autocast of the forward/backward (weights and optimizer stay float32): 'auto' is on for CUDA with bf16 and off on CPU (measured: ~4% log-prob noise in the PPO ratio), 'bfloat16' forces it on any device, 'off' never")
+    autocast: Autocast = Field("auto", description="bf16 autocast of the forward/backward (weights and optimizer stay float32): 'auto' is on for CUDA with bf16 and off on CPU (measured: ~4% log-prob noise in the PPO ratio), 'bfloat16' forces it on any device, 'off' never")
 
 
 class ShardcastConfig(_Section):
@@ -240,7 +242,7 @@ class VerifierConfig(_Section):
 
 
 class CoordinatorConfig(_Section):
-    role: str = Field("all", pattern="^(all|edge|trainer|verifier)$", description="what this process runs: 'all' (one "
+    role: Role = Field("all", description="what this process runs: 'all' (one "
                       "process: edge, verification, trainer, origin relay), 'edge' (gRPC and HTTP, intake with "
                       "verification, or with verifier.pool the verdicts of the pool; several share a PostgreSQL store "
                       "and their ports), 'trainer' (trainer and origin relay), 'verifier' (verifier.workers workers of "
@@ -248,7 +250,7 @@ class CoordinatorConfig(_Section):
     key: str = Field("coordinator.key", description="coordinator Ed25519 private key (signs manifests)")
     database: str = Field("state.db", description="the store of nodes, leases, groups and the ledger: a SQLite file (one process, zero set-up) or a postgresql:// URL (psycopg 3; pip install 'veriroll[postgres]')")
     checkpoints: str = Field("checkpoints", description="directory of policy versions (HF format) and trainer state")
-    model_dtype: str = Field("float32", description="dtype of the trusted model and of published checkpoints: float32 or bfloat16")
+    model_dtype: ModelDtype = Field("float32", description="dtype of the trusted model and of published checkpoints: float32 or bfloat16 (float16 where the hardware has it)")
     model_source: str = Field("", description="where version 0 came from (model dir, hub id, .gguf or builtin:NAME; informational)")
     verifier_threads: int = Field(1, ge=1, description="torch threads for verification")
     server: ServerConfig = Field(default_factory=ServerConfig, description="gRPC edge: address, TLS, limits")

@@ -18,11 +18,12 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Coroutine
-from typing import Any
+from typing import Any, get_args
 
+from veriroll.coordinator.config import EventLoop
 from veriroll.protos.config import ConfigError
 
-EVENT_LOOPS = ("auto", "uvloop", "asyncio")
+EVENT_LOOPS = get_args(EventLoop)
 
 
 def loop_runner(choice: str) -> tuple[str, Callable[[Coroutine], Any], str]:

@@ -369,10 +369,13 @@ def make_app(coord, source: StatusSource) -> web.Application:
 
     async def healthz(request: web.Request) -> web.Response:
         try:
-            version = await asyncio.wait_for(coord.db.run(lambda c: st.kv_get(c, "policy_version", 0)), timeout=5)
+            # Healthy is: the store answers (any cheap read will do).
+            await asyncio.wait_for(coord.db.run(st.queued_groups), timeout=5)
         except Exception as exc:  # noqa: BLE001 - any failure to reach the store is "unhealthy"
             return web.json_response({"ok": False, "error": f"database: {exc or type(exc).__name__}"}, status=503)
-        return web.json_response({"ok": True, "policy_version": int(version), "time_ms": coord.service.clock()},
+        # The version this process tells nodes, read from its one holder (policy.PolicyState).
+        return web.json_response({"ok": True, "policy_version": coord.service.policy.version,
+                                  "time_ms": coord.service.clock()},
                                  headers={"Cache-Control": "no-cache"})
 
     async def status(request: web.Request) -> web.Response:

@@ -36,12 +36,15 @@ returned as plain Python floats.
 from __future__ import annotations
 
 import math
+from typing import get_args
 
 import torch
 
+from veriroll.coordinator.config import Correction
+
 __all__ = ["CORRECTIONS", "async_ppo_loss"]
 
-CORRECTIONS = ("mixed", "decoupled")
+CORRECTIONS = get_args(Correction)
 
 
 def _k3(log_r: torch.Tensor) -> torch.Tensor:

@@ -35,6 +35,7 @@ __all__ = [
     "ModelSource",
     "TokenizerFacts",
     "cached_builtin_model",
+    "checkpoint_facts",
     "load_model",
     "load_tokenizer",
     "resolve_dtype_for_device",
@@ -278,15 +279,23 @@ def tokenizer_facts(tokenizer, config: dict, generation_config: dict | None = No
     )
 
 
-def stop_token_ids(checkpoint_dir: str | os.PathLike) -> list[int]:
-    """Stop tokens of a saved checkpoint (EOS from config and generation config, plus end-of-turn)."""
-    from transformers import AutoTokenizer
-
+def checkpoint_facts(checkpoint_dir: str | os.PathLike, tokenizer=None) -> TokenizerFacts:
+    """:func:`tokenizer_facts` of a saved checkpoint, from its config, generation config and tokenizer
+    (``tokenizer``, when the caller holds it already)."""
     d = Path(checkpoint_dir)
+    if tokenizer is None:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(str(d))
     config = json.loads((d / "config.json").read_text())
     gen_path = d / "generation_config.json"
     gen = json.loads(gen_path.read_text()) if gen_path.exists() else {}
-    return tokenizer_facts(AutoTokenizer.from_pretrained(str(d)), config, gen).stop_token_ids
+    return tokenizer_facts(tokenizer, config, gen)
+
+
+def stop_token_ids(checkpoint_dir: str | os.PathLike) -> list[int]:
+    """Stop tokens of a saved checkpoint (EOS from config and generation config, plus end-of-turn)."""
+    return checkpoint_facts(checkpoint_dir).stop_token_ids
 
 
 WEIGHT_FILE_SUFFIXES = (".safetensors", ".safetensors.index.json", ".bin", ".bin.index.json", ".pt", ".pth", ".gguf")

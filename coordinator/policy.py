@@ -75,17 +75,24 @@ class PolicyStore:
     @property
     def stop_token_ids(self) -> list[int]:
         """The model's own stop tokens: EOS (config, generation config, tokenizer) and the chat template's
-        end-of-turn token; ``leases.stop_token_ids`` overrides them."""
-        from veriroll.coordinator.models import tokenizer_facts
+        end-of-turn token (``models.checkpoint_facts``). What leases carry is decided from them by
+        ``PromptRenderer.stop_token_ids``, where ``leases.stop_token_ids`` replaces them."""
+        from veriroll.coordinator.models import checkpoint_facts
 
-        return tokenizer_facts(self.tokenizer, self.model_config, self.generation_config).stop_token_ids
+        return checkpoint_facts(self.version_dir(self.available()[0]), self.tokenizer).stop_token_ids
 
 
 class PolicyState:
-    """The current policy version: what nodes are told to generate with and what intake measures staleness
-    against. It has one owner: the trainer moves it forward (:meth:`advance`) once a step's commit naming
-    the new version is durable; everything else reads it. ``relays`` and ``manifest_path`` are what
-    GetPolicy announces with it.
+    """The current policy version: what nodes are told to generate with and what intake and the trainer
+    measure staleness against. It is the one holder of that number in a process, and :meth:`advance` is
+    its one write: it also sets the ``veriroll_policy_version`` gauge (:meth:`report_to`), so the gauge can
+    never disagree with it. Everything else reads :attr:`version`.
+
+    Who advances it: where the trainer runs, the trainer (:meth:`Trainer.make_current
+    <veriroll.coordinator.trainer.Trainer.make_current>`), once a step's commit naming the new version is
+    durable and, under a coordinator, shardcast holds it (``app.start_trainer``); in an edge or verifier
+    process, which has no trainer, the follower of the store (``app._follow_policy``). ``relays`` and
+    ``manifest_path`` are what GetPolicy announces with it.
     """
 
     def __init__(self, version: int = 0, relays: list[str] | None = None, manifest_path: str = "",
@@ -94,15 +101,23 @@ class PolicyState:
         self.relays = list(relays or [])
         self.manifest_path = manifest_path
         self._on_advance = on_advance
+        self._gauge = None
 
     @property
     def version(self) -> int:
         return self._version
+
+    def report_to(self, gauge) -> None:
+        """Keep ``gauge`` (a metrics gauge with ``set``) at the current version from now on."""
+        self._gauge = gauge
+        gauge.set(self._version)
 
     def advance(self, version: int) -> None:
         """Make ``version`` current. Versions only move forward; going back is a bug, refused loudly."""
         if version < self._version:
             raise ValueError(f"policy version cannot go back from {self._version} to {version}")
         self._version = int(version)
+        if self._gauge is not None:
+            self._gauge.set(self._version)
         if self._on_advance is not None:
             self._on_advance(self._version)

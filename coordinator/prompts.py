@@ -13,10 +13,13 @@ character-level presets and their tests depend on those ids bit for bit.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from typing import get_args
+
+from veriroll.coordinator.config import ChatTemplate
 
 __all__ = ["CHAT_TEMPLATE_MODES", "PromptRenderError", "PromptRenderer", "prompt_messages"]
 
-CHAT_TEMPLATE_MODES = ("auto", "always", "never")
+CHAT_TEMPLATE_MODES = get_args(ChatTemplate)
 
 
 class PromptRenderError(ValueError):
@@ -85,9 +88,15 @@ class PromptRenderer:
             raise PromptRenderError("the chat template rendered an empty prompt")
         return ids
 
-    def stop_token_ids(self, eos_token_ids: list[int]) -> list[int]:
-        """Where generation stops: the model's EOS ids, and with the chat template also the tokenizer's EOS
-        and the token that ends a turn (``<|im_end|>``, ``<|eot_id|>``, ...), so a completion never runs into a new turn."""
+    def stop_token_ids(self, eos_token_ids: list[int], override: list[int] | tuple[int, ...] = ()) -> list[int]:
+        """Where generation stops, which every lease carries: the one place it is decided.
+
+        The operator's ``override`` (``leases.stop_token_ids``), when given, is final: exactly those ids, nothing
+        added. Otherwise the model's EOS ids (``PolicyStore.stop_token_ids``), and with the chat template also the
+        tokenizer's EOS and the token that ends a turn (``<|im_end|>``, ``<|eot_id|>``, ...), so a completion
+        never runs into a new turn."""
+        if override:
+            return [int(i) for i in override]
         if not self.uses_chat_template:
             return [int(i) for i in eos_token_ids]
         from veriroll.coordinator.models import tokenizer_facts

@@ -126,6 +126,7 @@ class CoordinatorService:
         self.policy = policy
         self.verifier = verifier
         self.metrics = metrics or CoordinatorMetrics()
+        policy.report_to(self.metrics.policy_version)
         self.clock = clock
         now = lambda: self.clock()  # noqa: E731 - the parts read the service's clock, which tests may move
         ec = cfg.environment
@@ -134,7 +135,7 @@ class CoordinatorService:
         # tokenizer without a template.
         self.renderer = PromptRenderer(tokenizer, system_prompt=ec.system_prompt, chat_template=ec.chat_template,
                                        encode_text=self.codec.encode)
-        self.stop_token_ids = self.renderer.stop_token_ids(list(stop_token_ids))
+        self.stop_token_ids = self.renderer.stop_token_ids(list(stop_token_ids), override=cfg.leases.stop_token_ids)
         inline = ec.inline_bounded_rewards and getattr(getattr(environment, "rubric", None), "bounded", False)
         self.rewards = rewards or RewardRunner(ec.name, ec.kwargs, timeout_s=ec.reward_timeout_s,
                                                workers=ec.reward_workers, inline=environment if inline else None)
@@ -419,7 +420,6 @@ class CoordinatorService:
         # One read, so one snapshot on PostgreSQL: the queue depth and the standings of the same moment.
         summary, standings = await self.db.run_read(lambda c: (st.status_summary(c), st.standing_counts(c)))
         self.metrics.queue_depth.set(summary["unconsumed_groups"])
-        self.metrics.policy_version.set(self.policy.version)
         for standing, n in standings.items():
             self.metrics.nodes.set(n, standing=standing)
         return summary

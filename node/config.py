@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -33,9 +34,9 @@ class NodeConfig(BaseModel):
     key: str = Field(DEFAULT_KEY, description="this node's Ed25519 private key, mode 0600 (`veriroll keygen` writes "
                      "it); also $VERIROLL_NODE_KEY")
     coordinator_key: str = Field("", description="coordinator public key (.pub) that must sign checkpoints; empty: trust the one from GetPolicy")
-    engine: str = Field("auto", description="'torch', 'vllm' or 'auto' (vllm when a GPU and vllm are present)")
+    engine: Literal["auto", "torch", "vllm"] = Field("auto", description="'torch', 'vllm' or 'auto' (vllm when a GPU and vllm are present)")
     device: str = Field("auto", description="'cpu', 'cuda' or 'auto'")
-    dtype: str = Field("float32", description="generation dtype: float32 or bfloat16 (must match what the coordinator verifies)")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="generation dtype: float32 or bfloat16 (must match what the coordinator verifies)")
     threads: int = Field(1, ge=1, description="torch CPU threads")
     max_groups: int = Field(0, ge=0, description="stop after submitting this many accepted groups (0: run until stopped)")
     max_leases: int = Field(1, ge=1, description="leases to hold at once")

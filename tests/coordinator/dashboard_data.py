@@ -26,7 +26,7 @@ def shaped_group(lease: pb.Lease, *, n: int | None = None, logprob: float = -1.0
 
 
 def trainer_history(steps: int, t0_ms: int, step_ms: int = 30_000) -> list[dict]:
-    """A plausible trainer history, in the shape ``coordinator/trainer.py`` writes to kv ``trainer_history``."""
+    """A plausible trainer history, in the shape ``coordinator/trainer/loop.py`` writes to kv ``trainer_history``."""
     out = []
     for i in range(steps):
         out.append({

@@ -89,6 +89,29 @@ def test_stop_tokens_add_the_end_of_turn_token_of_the_template(smollm2_tokenizer
     assert PromptRenderer(tok, chat_template="never").stop_token_ids([endoftext]) == [endoftext]
 
 
+def test_the_operators_stop_tokens_are_final_nothing_is_added(smollm2_tokenizer):
+    tok = smollm2_tokenizer
+    endoftext = tok.convert_tokens_to_ids("<|endoftext|>")
+    assert PromptRenderer(tok).stop_token_ids([endoftext], override=[endoftext]) == [endoftext]
+    assert PromptRenderer(tok).stop_token_ids([endoftext], override=(7, 9)) == [7, 9]
+
+
+def test_with_an_override_leases_carry_exactly_the_override(tmp_path, smollm2_dir):
+    """leases.stop_token_ids replaces the model's stop tokens, the chat template's end-of-turn included."""
+    base = make_coordinator_dir(tmp_path, {"leases.stop_token_ids": [0]})
+    version0 = base / "checkpoints" / "versions" / "v000000"
+    shutil.rmtree(version0)
+    version0.symlink_to(smollm2_dir, target_is_directory=True)  # only the tokenizer and config are read
+
+    async def scenario():
+        async with running_coordinator(base) as coord, node_client(coord) as stub:
+            lease = (await stub.lease_work(pb.LeaseRequest(max_leases=1, loaded_version=-1))).leases[0]
+            return coord.service.renderer.uses_chat_template, list(lease.stop_token_ids)
+
+    uses_chat_template, stops = asyncio.run(scenario())
+    assert uses_chat_template and stops == [0]  # not [0, 2]: <|im_end|> is not added to the operator's list
+
+
 def test_always_without_a_template_names_the_model_and_the_fix(tiny_tokenizer):
     with pytest.raises(PromptRenderError) as info:
         PromptRenderer(tiny_tokenizer, chat_template="always")

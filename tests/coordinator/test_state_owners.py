@@ -4,6 +4,8 @@ the lease desk, nodes looked up one by one, and a trainer step that counts only 
 from __future__ import annotations
 
 import asyncio
+import re
+from pathlib import Path
 
 import grpc
 import pytest
@@ -268,6 +270,67 @@ def test_a_new_version_becomes_current_only_once_shardcast_holds_it(tmp_path):
     seen, version, manifest = run(scenario())
     assert seen == [("before publish", 1, 0), ("after publish", 1, 0)]
     assert version == 1 and manifest == "/versions/1/manifest"
+
+
+def test_the_trainer_keeps_no_copy_of_the_policy_version(trainer_and_db):
+    """Staleness and new version numbers count from the one PolicyState: whatever moves it, the trainer sees."""
+    trainer, db, policy = trainer_and_db
+    trainer.resume()
+    add_groups(db, [SIGNAL, SIGNAL])
+    assert trainer.step().published == 1
+    assert trainer.version == policy.version == kv(db, "policy_version") == 1
+    policy.advance(4)  # (as an edge's follower would): the trainer reads it, it holds no number of its own
+    assert trainer.version == trainer.weights_version == 4
+
+
+def test_the_policy_version_gauge_and_the_store_agree_after_a_publish_and_after_a_restart(tmp_path):
+    """The gauge is set by the PolicyState alone, as it advances: after a version is published, and after a
+    restart restored it from the store, the store's kv, the policy, the trainer and the gauge say the same."""
+    import asyncio as aio
+
+    from test_trainer import add_groups as seed
+
+    base = make_coordinator_dir(tmp_path, {"trainer.enabled": True, "trainer.min_groups": 2, "trainer.groups_per_step": 2,
+                                           "trainer.lr": 1e-3, "shardcast.origin_port": 0})
+
+    def views(coord):
+        stored = coord.db.run_sync(lambda c: st.kv_get(c, "policy_version", None))
+        return (stored, coord.service.policy.version, coord.trainer.version,
+                int(coord.service.metrics.policy_version.get()))
+
+    async def publish():
+        async with running_coordinator(base) as coord:
+            assert views(coord) == (0, 0, 0, 0)
+            seed(coord.db, [SIGNAL, SIGNAL])
+            for _ in range(3600):  # a hang guard (0.05 s each), not a time limit
+                if coord.service.policy.version == 1:
+                    break
+                await aio.sleep(0.05)
+            return views(coord)
+
+    async def restart():
+        async with running_coordinator(base) as coord:
+            return views(coord)
+
+    assert run(publish()) == (1, 1, 1, 1)
+    assert run(restart()) == (1, 1, 1, 1)
+
+
+def test_only_the_trainer_and_the_follower_move_the_policy_version_and_only_the_policy_sets_its_gauge():
+    """One writer: in a process with the trainer, Trainer.make_current; in one without, app._follow_policy.
+    A second call of PolicyState.advance, or a second setter of the gauge, fails here."""
+    import veriroll.coordinator as pkg
+
+    root = Path(pkg.__path__[0])
+    advances, gauges = {}, []
+    for path in sorted(root.rglob("*.py")):
+        text = path.read_text()
+        if n := len(re.findall(r"\.advance\(", text)):
+            advances[path.relative_to(root).as_posix()] = n
+        if "policy_version.set(" in text:
+            gauges.append(path.relative_to(root).as_posix())
+    assert advances == {"app.py": 1, "trainer/loop.py": 1}
+    assert gauges == []
 
 
 def test_a_known_node_refused_at_the_door_finds_the_refusal_in_its_own_ledger(tmp_path):
