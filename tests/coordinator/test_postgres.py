@@ -151,7 +151,7 @@ def test_both_backends_have_the_same_tables_and_columns(tmp_path, pg_url):
     pg = st.connect(pg_url)
     pg_columns = {(r[0], r[1]) for r in pg.execute(
         "SELECT table_name, column_name FROM information_schema.columns WHERE table_schema = 'public'")}
-    # PostgreSQL's counters have a row per writer slot (store_pg.COUNTER_SLOTS); SQLite has one writer.
+    # PostgreSQL's counters have a row per writer slot (store.schema.COUNTER_SLOTS); SQLite has one writer.
     assert pg_columns - {("counters", "slot")} == sqlite_columns
 
 
@@ -205,13 +205,13 @@ def test_a_process_that_waited_for_the_schema_lock_does_not_run_the_schema_again
     then find the schema's mark; running the DDL again would lock tables other processes work on."""
     import threading
 
-    from veriroll.coordinator import store_pg
+    from veriroll.coordinator.store import pg
 
     st.connect(pg_url).close()
     holder = st.connect(pg_url)
     holder.execute("COMMENT ON TABLE nodes IS 'an older schema'")
     holder.execute("BEGIN")
-    holder.execute("SELECT pg_advisory_xact_lock(?)", (store_pg.SCHEMA_LOCK,))
+    holder.execute("SELECT pg_advisory_xact_lock(?)", (pg.SCHEMA_LOCK,))
     opened = []
     starting = threading.Thread(target=lambda: opened.append(st.connect(pg_url)))
     starting.start()
@@ -221,7 +221,7 @@ def test_a_process_that_waited_for_the_schema_lock_does_not_run_the_schema_again
         time.sleep(0.05)
     # What the holder's schema run leaves, and a trace the DDL would undo were it run again.
     holder.execute("DROP INDEX leases_node")
-    holder.execute(f"COMMENT ON TABLE nodes IS '{store_pg.SCHEMA_MARK}'")
+    holder.execute(f"COMMENT ON TABLE nodes IS '{pg.SCHEMA_MARK}'")
     holder.execute("COMMIT")
     starting.join(timeout=HANG_GUARD_POLLS * 0.05)
     index = holder.execute("SELECT to_regclass('leases_node')").fetchone()[0]

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from veriroll.coordinator import store as st
-from veriroll.coordinator import store_pg
+from veriroll.coordinator.store import pg
 
 
 def insert_group(conn, i: int) -> None:
@@ -203,7 +203,7 @@ def test_load_lease_is_one_statement_with_the_lease_its_prompt_and_its_group(sto
         return gid
 
     def statements(conn, fn) -> int:
-        if isinstance(conn, store_pg.PgConnection):
+        if isinstance(conn, pg.PgConnection):
             before = conn.statements
             fn(conn)
             return conn.statements - before
