@@ -44,7 +44,8 @@ def _insert_samples_sql(n: int) -> str:
 
 def accept_group(conn: Connection, group: AcceptedGroup, *, probation_groups: int) -> int | None:
     """Spend the lease on the group, store the group, mark its prompt done and credit the node; the group id,
-    or None when the lease is no longer open (a concurrent submission won)."""
+    or None when the lease is no longer open (a concurrent submission won). Where the database has
+    data-modifying CTEs (PostgreSQL), one statement."""
     if conn.writable_ctes:
         return _accept_group_in_one_statement(conn, group, probation_groups=probation_groups)
     n = conn.execute("UPDATE leases SET state = ? WHERE lease_id = ? AND state = ?",

@@ -92,8 +92,9 @@ def use_nonces(conn: Connection, entries: list[tuple[bytes, str, int]]) -> list[
         first.setdefault((bytes(key), nonce), i)
     # In key order: edges that insert the same nonces at once lock them in one order (no deadlock).
     unique = sorted(first)
-    # On PostgreSQL one statement text whatever the count (one prepared statement; ``PgConnection.rows_source``).
-    source, params = conn.rows_source([(k[0], k[1], entries[first[k]][2]) for k in unique], ("bytea", "text", "bigint"))
+    # On PostgreSQL one statement text whatever the count: one prepared statement (PgConnection.rows_source).
+    values = [(key, nonce, entries[first[key, nonce]][2]) for key, nonce in unique]
+    source, params = conn.rows_source(values, ("bytea", "text", "bigint"))
     rows = conn.execute("INSERT INTO nonces(public_key, nonce, expires_ms) " + source
                         + " ON CONFLICT(public_key, nonce) DO NOTHING RETURNING public_key, nonce", params)
     new = {(bytes(r[0]), r[1]) for r in rows}
@@ -179,7 +180,10 @@ def lease_one(conn: Connection, lease: LeaseRecord, fresh: Callable[[], FreshPro
               max_open: int) -> LeasedOne:
     """Issue ``lease`` (its ``prompt_id`` is filled here) unless the trainer's queue holds ``queue_max`` groups or
     the node ``max_open`` open leases: a prompt back in the pool goes first, else ``fresh()`` is stored as
-    leased and counted as drawn. LeaseWork's common case (one lease, a trusted node) as one operation."""
+    leased and counted as drawn. LeaseWork's common case (one lease, a trusted node) as one operation.
+
+    Where the database has data-modifying CTEs (PostgreSQL) the whole of it is one statement, one round trip:
+    ``fresh()`` is then called first, and handed back as ``leftover`` when it was not stored."""
     if conn.writable_ctes:
         return _lease_one_in_one_statement(conn, lease, fresh, queue_max=queue_max, max_open=max_open)
     queued, open_of_node = lease_limits(conn, lease.node_id)
@@ -219,8 +223,8 @@ _LEASE_ONE_STATEMENT = (
     "FROM lim LEFT JOIN chosen ON true")
 
 
-def _lease_one_in_one_statement(conn: Connection, lease: LeaseRecord, fresh: Callable[[], FreshPrompt], *, queue_max: int,
-                  max_open: int) -> LeasedOne:
+def _lease_one_in_one_statement(conn: Connection, lease: LeaseRecord, fresh: Callable[[], FreshPrompt], *,
+                                queue_max: int, max_open: int) -> LeasedOne:
     # The fresh prompt is drawn before the statement knows whether it needs it; when a pooled prompt went
     # first (or a limit refused) it is handed back as ``leftover`` for the next lease, so the stream skips none.
     p = fresh()

@@ -234,9 +234,8 @@ def set_standing(conn: Connection, node_id: str, standing: str, reason: str = ""
 # --- standing changes: what every process caching nodes (Ledger) follows ----------------------------------
 
 # A trigger notes each change of a node's standing or ban reason, whoever made it: this process, another
-# edge, the operator's CLI on the same file. A process's node cache follows this table (one read a second,
-# whatever the number of nodes) instead of reading every node again every few seconds.
-
+# edge, the operator's CLI on the same file (schema.py). A process's node cache follows this table (one read
+# a second, whatever the number of nodes) instead of reading every node again every few seconds.
 
 STANDING_CHANGES_KEPT_MS = 3_600_000
 """How long a noted change is kept (past the newest one): far longer than any process goes without reading."""

@@ -155,6 +155,21 @@ def test_both_backends_have_the_same_tables_and_columns(tmp_path, pg_url):
     assert pg_columns - {("counters", "slot")} == sqlite_columns
 
 
+def test_both_backends_have_the_same_indexes(tmp_path, pg_url):
+    """The indexes come from one declaration (store/schema.py): the same names on the same columns, but for
+    rejections_time, which only PostgreSQL has (as before the schema was written once)."""
+    lite = st.connect(tmp_path / "state.db")
+    sqlite_indexes = {(r[0], r[1]) for r in lite.execute(
+        "SELECT name, tbl_name FROM sqlite_master WHERE type = 'index' AND name NOT LIKE 'sqlite_%'")}
+    pg = st.connect(pg_url)
+    pg_indexes = {(r[0], r[1]) for r in pg.execute(
+        "SELECT indexname, tablename FROM pg_indexes WHERE schemaname = 'public' AND indexname NOT LIKE '%_pkey' "
+        "AND indexname NOT LIKE '%_key'")}
+    lite.close()
+    pg.close()
+    assert pg_indexes - {("rejections_time", "rejections")} == sqlite_indexes
+
+
 def test_one_live_session_per_key_on_postgres(pg_url):
     db = st.Database(pg_url)
     key = PrivateKey.generate().public
