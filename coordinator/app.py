@@ -230,7 +230,7 @@ async def _start(base: Path, cfg: CoordinatorConfig, lock: DirectoryLock | None)
     metrics = CoordinatorMetrics()
     policy = PolicyState(version=int(version), relays=list(cfg.shardcast.relays))
     # Edges sharing a PostgreSQL store share the swarm's directory through it (one process on SQLite: memory).
-    shared = st.store_pg.is_url(str(db.path)) and cfg.role in ("all", "edge")
+    shared = st.pg.is_url(str(db.path)) and cfg.role in ("all", "edge")
     exchange = (lambda *a, **kw: db.run(lambda c: st.exchange_swarm_directory(c, *a, **kw))) if shared else None
     peer_directory = PeerDirectory(key, exchange=exchange)
     service = CoordinatorService(
@@ -256,7 +256,7 @@ async def _start_parts(coord: Coordinator, key) -> None:
     for its metrics)."""
     cfg, base = coord.cfg, coord.base_dir
     role = cfg.role
-    if role != "all" and not st.store_pg.is_url(str(cfg.database)):
+    if role != "all" and not st.pg.is_url(str(cfg.database)):
         raise ConfigError(f"role {role!r} shares its state with other processes: set database to a postgresql:// URL")
     if role == "verifier" and coord.service.verifier is None:
         raise ConfigError("role 'verifier' runs the verification stages: it cannot run with intake.verify = false")

@@ -142,7 +142,7 @@ class CoordinatorService:
         self.ledger = Ledger(db, self.metrics, now, max_strikes=cfg.intake.max_strikes,
                              probation_groups=cfg.intake.probation_groups, session_ttl_s=cfg.identity.session_ttl_s)
         # With a PostgreSQL store, other edge processes may share it: nonces go where all of them see them.
-        self.door = Door(cfg, self.ledger, now, db=db, shared_nonces=st.store_pg.is_url(str(db.path)))
+        self.door = Door(cfg, self.ledger, now, db=db, shared_nonces=st.pg.is_url(str(db.path)))
         self.new_identities = NewIdentityLimiter.from_config(cfg.identity, shared_db=db if self.door.shared_nonces else None)
         self.peer_gate = PeerGate(cfg.server.max_inflight_per_address)
         self.store_outage = StoreOutageLog()

@@ -13,7 +13,7 @@ import threading
 import pytest
 
 from veriroll.coordinator import store as st
-from veriroll.coordinator import store_pg
+from veriroll.coordinator.store import pg
 
 HANG_GUARD_S = 120  # a wait that never ends fails here instead of hanging the run; not a time limit
 LOCK_TIMEOUT = "&options=-c%20lock_timeout%3D2000"  # a lock wait fails (55P03) instead of hanging
@@ -168,11 +168,11 @@ def test_an_old_single_row_counters_table_becomes_slots_with_its_values(pg_url):
     by_name = {}
     for name, slot, value in rows:
         by_name.setdefault(name, {})[slot] = value
-    assert by_name == {name: {0: value, **{s: 0 for s in range(1, store_pg.COUNTER_SLOTS)}}
+    assert by_name == {name: {0: value, **{s: 0 for s in range(1, st.schema.COUNTER_SLOTS)}}
                        for name, value in zip(COUNTERS, before, strict=True)}
     assert migrated == before and left_in_kv is None
     assert after[0] == after[1] == (4, 2, 4, 8)
-    assert mark == store_pg.SCHEMA_MARK
+    assert mark == pg.SCHEMA_MARK
 
 
 def test_a_read_of_several_statements_sees_one_snapshot(pg_url):

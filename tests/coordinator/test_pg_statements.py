@@ -14,22 +14,22 @@ import numpy as np
 import pytest
 
 from veriroll.coordinator import store as st
-from veriroll.coordinator import store_pg
+from veriroll.coordinator.store import pg
 
 
 @pytest.fixture
 def conn(pg_url):
-    c = store_pg.PgConnection(pg_url)
+    c = pg.PgConnection(pg_url)
     c.execute("CREATE TABLE t (k TEXT PRIMARY KEY, i BIGINT, f DOUBLE PRECISION, b BYTEA, s TEXT)")
     yield c
     c.close()
 
 
 def test_statement_numbers_placeholders_and_keeps_the_rest():
-    assert store_pg.statement("SELECT a FROM t WHERE x = ? AND y IN (?, ?)") == \
+    assert pg.statement("SELECT a FROM t WHERE x = ? AND y IN (?, ?)") == \
         b"SELECT a FROM t WHERE x = $1 AND y IN ($2, $3)"
-    assert store_pg.statement("BEGIN IMMEDIATE") == b"BEGIN"
-    assert store_pg.statement("UPDATE c SET v = v + 1 WHERE name = ? /*SLOT*/") == \
+    assert pg.statement("BEGIN IMMEDIATE") == b"BEGIN"
+    assert pg.statement("UPDATE c SET v = v + 1 WHERE name = ? /*SLOT*/") == \
         b"UPDATE c SET v = v + 1 WHERE name = $1 AND slot = veriroll_counter_slot()"
 
 
@@ -74,23 +74,23 @@ def test_rowcount_description_and_fetching(conn):
 
 def test_errors_are_psycopgs_classes_with_their_sqlstate(conn):
     conn.execute("INSERT INTO t(k) VALUES(?)", ("a",))
-    with pytest.raises(store_pg.psycopg.errors.UniqueViolation) as info:
+    with pytest.raises(pg.psycopg.errors.UniqueViolation) as info:
         conn.execute("INSERT INTO t(k) VALUES(?)", ("a",))
     assert info.value.sqlstate == "23505"
-    with pytest.raises(store_pg.psycopg.errors.UndefinedTable):
+    with pytest.raises(pg.psycopg.errors.UndefinedTable):
         conn.execute("SELECT * FROM missing WHERE k = ?", ("a",))
     # A failed statement inside a transaction fails the rest of it until ROLLBACK, as PostgreSQL says.
     conn.execute("BEGIN")
-    with pytest.raises(store_pg.psycopg.errors.UniqueViolation):
+    with pytest.raises(pg.psycopg.errors.UniqueViolation):
         conn.execute("INSERT INTO t(k) VALUES(?)", ("a",))
-    with pytest.raises(store_pg.psycopg.errors.InFailedSqlTransaction):
+    with pytest.raises(pg.psycopg.errors.InFailedSqlTransaction):
         conn.execute("SELECT k FROM t WHERE k = ?", ("a",))
     conn.execute("ROLLBACK")
     assert conn.execute("SELECT COUNT(*) FROM t WHERE k = ?", ("a",)).fetchone()[0] == 1
 
 
 def test_prepared_statements_are_bounded_and_remade_on_a_new_session(conn, monkeypatch):
-    monkeypatch.setattr(store_pg, "PREPARED_MAX", 4)
+    monkeypatch.setattr(pg, "PREPARED_MAX", 4)
     for n in range(1, 9):  # eight distinct statements (IN lists of different lengths)
         keys = [f"k{i}" for i in range(n)]
         assert conn.execute(f"SELECT COUNT(*) FROM t WHERE k IN ({', '.join('?' * n)})", keys).fetchone()[0] == 0
@@ -102,18 +102,18 @@ def test_prepared_statements_are_bounded_and_remade_on_a_new_session(conn, monke
     conn.execute("UPDATE t SET i = ? WHERE k = ?", (None, "p"))
     # A server restart closes the session and its prepared statements: the reopened connection prepares
     # them again instead of executing names the new session never saw.
-    other = store_pg.PgConnection(conn._url)
+    other = pg.PgConnection(conn._url)
     pid = conn.execute("SELECT pg_backend_pid() WHERE 1 = ?", (1,)).fetchone()[0]
     other.execute("SELECT pg_terminate_backend(CAST(? AS INTEGER))", (pid,))  # ints go as BIGINT
     other.close()
-    with pytest.raises(store_pg.StoreUnavailable):
+    with pytest.raises(pg.StoreUnavailable):
         conn.execute("SELECT pg_backend_pid() WHERE 1 = ?", (1,))
     for _ in range(50):  # reconnects are tried at most every RECONNECT_EVERY_S
         try:
             row = conn.execute("SELECT pg_backend_pid() WHERE 1 = ?", (1,)).fetchone()
             break
-        except store_pg.StoreUnavailable:
-            time.sleep(store_pg.RECONNECT_EVERY_S / 5)
+        except pg.StoreUnavailable:
+            time.sleep(pg.RECONNECT_EVERY_S / 5)
     assert row[0] != pid
     assert conn.execute("SELECT COUNT(*) FROM t WHERE k = ?", ("p",)).fetchone()[0] == 1
 
@@ -132,20 +132,20 @@ def test_statements_together_answer_in_order_in_one_round_trip_and_fail_like_one
     # Inside a transaction, a failing statement raises its own error, the ones after it never run, and the
     # transaction is failed until ROLLBACK, as with one statement at a time.
     conn.execute("BEGIN")
-    with pytest.raises(store_pg.psycopg.errors.UniqueViolation):
+    with pytest.raises(pg.psycopg.errors.UniqueViolation):
         conn.execute_together([("UPDATE t SET i = 0 WHERE k = ?", ("a",)), ("INSERT INTO t(k) VALUES(?)", ("a",)),
                                ("UPDATE t SET i = 0 WHERE k = ?", ("b",))])
-    with pytest.raises(store_pg.psycopg.errors.InFailedSqlTransaction):
+    with pytest.raises(pg.psycopg.errors.InFailedSqlTransaction):
         conn.execute("SELECT 1 WHERE 1 = ?", (1,))
     conn.execute("ROLLBACK")
     assert [tuple(r) for r in conn.execute("SELECT k, i FROM t WHERE k <> ? ORDER BY k", ("c",))] == \
         [("a", 101), ("b", 102)]
     # The connection is usable at once (out of pipeline mode), and a lost session is StoreUnavailable.
-    other = store_pg.PgConnection(conn._url)
+    other = pg.PgConnection(conn._url)
     pid = conn.execute("SELECT pg_backend_pid() WHERE 1 = ?", (1,)).fetchone()[0]
     other.execute("SELECT pg_terminate_backend(CAST(? AS INTEGER))", (pid,))
     other.close()
-    with pytest.raises(store_pg.StoreUnavailable):
+    with pytest.raises(pg.StoreUnavailable):
         conn.execute_together([("UPDATE t SET i = 1 WHERE k = ?", ("a",)), ("UPDATE t SET i = 1 WHERE k = ?", ("b",))])
 
 
@@ -154,7 +154,7 @@ def test_begin_goes_with_the_transactions_first_statement_and_an_empty_transacti
     is the same (its writes are seen only after COMMIT, undone by ROLLBACK; a failing first statement fails
     it until ROLLBACK: test_errors_are_psycopgs_classes_with_their_sqlstate); a transaction that ran no
     statement sends nothing at all."""
-    other = store_pg.PgConnection(conn._url)
+    other = pg.PgConnection(conn._url)
     try:
         trips = conn.round_trips
         conn.execute("BEGIN IMMEDIATE")
@@ -192,11 +192,11 @@ def test_begin_goes_with_the_transactions_first_statement_and_an_empty_transacti
             try:
                 conn.execute("INSERT INTO t(k, i) VALUES(?, ?)", ("c", 3))
                 break
-            except store_pg.StoreUnavailable:
-                with contextlib.suppress(store_pg.StoreUnavailable):  # the session is gone: so is its transaction
+            except pg.StoreUnavailable:
+                with contextlib.suppress(pg.StoreUnavailable):  # the session is gone: so is its transaction
                     conn.execute("ROLLBACK")  # as the store's writer does; the next BEGIN waits again
                 conn.execute("BEGIN")
-                time.sleep(store_pg.RECONNECT_EVERY_S / 5)
+                time.sleep(pg.RECONNECT_EVERY_S / 5)
         conn.execute("COMMIT")
         assert other.execute("SELECT i FROM t WHERE k = ?", ("c",)).fetchone()[0] == 3
     finally:

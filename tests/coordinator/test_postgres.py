@@ -151,8 +151,23 @@ def test_both_backends_have_the_same_tables_and_columns(tmp_path, pg_url):
     pg = st.connect(pg_url)
     pg_columns = {(r[0], r[1]) for r in pg.execute(
         "SELECT table_name, column_name FROM information_schema.columns WHERE table_schema = 'public'")}
-    # PostgreSQL's counters have a row per writer slot (store_pg.COUNTER_SLOTS); SQLite has one writer.
+    # PostgreSQL's counters have a row per writer slot (store.schema.COUNTER_SLOTS); SQLite has one writer.
     assert pg_columns - {("counters", "slot")} == sqlite_columns
+
+
+def test_both_backends_have_the_same_indexes(tmp_path, pg_url):
+    """The indexes come from one declaration (store/schema.py): the same names on the same columns, but for
+    rejections_time, which only PostgreSQL has (as before the schema was written once)."""
+    lite = st.connect(tmp_path / "state.db")
+    sqlite_indexes = {(r[0], r[1]) for r in lite.execute(
+        "SELECT name, tbl_name FROM sqlite_master WHERE type = 'index' AND name NOT LIKE 'sqlite_%'")}
+    pg = st.connect(pg_url)
+    pg_indexes = {(r[0], r[1]) for r in pg.execute(
+        "SELECT indexname, tablename FROM pg_indexes WHERE schemaname = 'public' AND indexname NOT LIKE '%_pkey' "
+        "AND indexname NOT LIKE '%_key'")}
+    lite.close()
+    pg.close()
+    assert pg_indexes - {("rejections_time", "rejections")} == sqlite_indexes
 
 
 def test_one_live_session_per_key_on_postgres(pg_url):
@@ -205,13 +220,13 @@ def test_a_process_that_waited_for_the_schema_lock_does_not_run_the_schema_again
     then find the schema's mark; running the DDL again would lock tables other processes work on."""
     import threading
 
-    from veriroll.coordinator import store_pg
+    from veriroll.coordinator.store import pg
 
     st.connect(pg_url).close()
     holder = st.connect(pg_url)
     holder.execute("COMMENT ON TABLE nodes IS 'an older schema'")
     holder.execute("BEGIN")
-    holder.execute("SELECT pg_advisory_xact_lock(?)", (store_pg.SCHEMA_LOCK,))
+    holder.execute("SELECT pg_advisory_xact_lock(?)", (pg.SCHEMA_LOCK,))
     opened = []
     starting = threading.Thread(target=lambda: opened.append(st.connect(pg_url)))
     starting.start()
@@ -221,7 +236,7 @@ def test_a_process_that_waited_for_the_schema_lock_does_not_run_the_schema_again
         time.sleep(0.05)
     # What the holder's schema run leaves, and a trace the DDL would undo were it run again.
     holder.execute("DROP INDEX leases_node")
-    holder.execute(f"COMMENT ON TABLE nodes IS '{store_pg.SCHEMA_MARK}'")
+    holder.execute(f"COMMENT ON TABLE nodes IS '{pg.SCHEMA_MARK}'")
     holder.execute("COMMIT")
     starting.join(timeout=HANG_GUARD_POLLS * 0.05)
     index = holder.execute("SELECT to_regclass('leases_node')").fetchone()[0]

@@ -33,7 +33,7 @@ from test_edges import (
 from test_server import shaped_group
 
 from veriroll.coordinator import store as st
-from veriroll.coordinator import store_pg
+from veriroll.coordinator.store import pg
 from veriroll.protos.identity import PrivateKey
 from veriroll.protos.reasons import Reason
 from veriroll.protos.service import CallError, SignedStub, secure_channel
@@ -95,7 +95,7 @@ def test_a_postgres_store_refuses_while_the_server_is_down_and_reconnects_by_its
             db.read(lambda c: st.kv_get(c, "before")).result()
         faulty_pg.start_server()
         failures = []
-        for _ in range(50):  # reconnects are tried at most every store_pg.RECONNECT_EVERY_S
+        for _ in range(50):  # reconnects are tried at most every pg.RECONNECT_EVERY_S
             try:
                 db.run_sync(lambda c: st.kv_set(c, "after", 1))
                 break
@@ -124,8 +124,8 @@ def test_a_postgres_server_that_stops_answering_is_unavailable_not_a_hang_and_cl
     closed, a new connection after CONNECT_TIMEOUT_S, and nothing of the failed transaction is committed;
     once the server answers the store goes on by itself. Closing the store while its writer still waits on
     the server returns False at its timeout, with nothing closed under the writer, which then finishes."""
-    monkeypatch.setattr(store_pg, "ANSWER_TIMEOUT_S", 1.0)
-    monkeypatch.setattr(store_pg, "CONNECT_TIMEOUT_S", 2)
+    monkeypatch.setattr(pg, "ANSWER_TIMEOUT_S", 1.0)
+    monkeypatch.setattr(pg, "CONNECT_TIMEOUT_S", 2)
     db = st.Database(faulty_pg.new_database())
     frozen: list[int] = []
     try:
@@ -144,7 +144,7 @@ def test_a_postgres_server_that_stops_answering_is_unavailable_not_a_hang_and_cl
                 time.sleep(0.1)
         assert values == [1, None]  # the timed-out transaction was never committed
         db.run_sync(lambda c: st.kv_set(c, "after", 1))  # the writer's connection is open again
-        monkeypatch.setattr(store_pg, "ANSWER_TIMEOUT_S", 60.0)
+        monkeypatch.setattr(pg, "ANSWER_TIMEOUT_S", 60.0)
         frozen = faulty_pg.freeze()
         waiting = db.submit(lambda c: st.kv_set(c, "held", 1))
         time.sleep(0.5)  # the writer has sent it and waits

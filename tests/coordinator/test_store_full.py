@@ -21,8 +21,8 @@ from support import make_coordinator_dir, node_client, running_coordinator
 from test_server import shaped_group
 
 from veriroll.coordinator import store as st
-from veriroll.coordinator import store_pg
 from veriroll.coordinator.service import StoreOutageLog
+from veriroll.coordinator.store import pg
 from veriroll.protos.reasons import Reason
 from veriroll.protos.service import CallError
 from veriroll.protos.v1 import coordinator_pb2 as pb
@@ -65,13 +65,13 @@ def test_errors_of_the_machine_are_store_unavailable_and_errors_of_an_operation_
     assert st.unavailable(sqlite_error("SELECT 1", "INSERT INTO t VALUES (1, NULL)")) is None  # a constraint
     assert st.unavailable(sqlite_error("SELECT 1", "SELECT nope FROM t")) is None  # a bug in a statement
     assert st.unavailable(ValueError("x")) is None
-    if store_pg.psycopg is not None:
-        errors = store_pg.psycopg.errors
-        assert "out of a resource" in store_pg.unavailable_reason(errors.DiskFull("could not extend file"))
-        assert "read-only" in store_pg.unavailable_reason(errors.ReadOnlySqlTransaction("read-only"))
-        assert "system error" in store_pg.unavailable_reason(errors.IoError("could not write"))
-        assert store_pg.unavailable_reason(errors.UniqueViolation("duplicate key")) is None
-        assert store_pg.unavailable_reason(errors.UndefinedColumn("no such column")) is None
+    if pg.psycopg is not None:
+        errors = pg.psycopg.errors
+        assert "out of a resource" in pg.unavailable_reason(errors.DiskFull("could not extend file"))
+        assert "read-only" in pg.unavailable_reason(errors.ReadOnlySqlTransaction("read-only"))
+        assert "system error" in pg.unavailable_reason(errors.IoError("could not write"))
+        assert pg.unavailable_reason(errors.UniqueViolation("duplicate key")) is None
+        assert pg.unavailable_reason(errors.UndefinedColumn("no such column")) is None
 
 
 def test_a_batch_on_a_full_disk_fails_whole_as_unavailable_and_commits_nothing(tmp_path):
@@ -178,7 +178,7 @@ def test_a_read_only_postgres_server_is_unavailable_for_writes_and_still_serves_
         db.run_sync(lambda c: st.kv_set(c, "before", 1))
     finally:
         db.close()
-    admin = store_pg.psycopg.connect(pg_url, autocommit=True)
+    admin = pg.psycopg.connect(pg_url, autocommit=True)
     try:
         dbname = admin.info.dbname
         admin.execute(f'ALTER DATABASE "{dbname}" SET default_transaction_read_only = on')

@@ -301,7 +301,7 @@ def state_after_refusal(before: dict, reason: Reason, method: str, body: bytes, 
         prompt = expected["prompts"][(lease["prompt_id"],)]
         if prompt["state"] == "leased":
             prompt["state"] = "pending"
-        # The store's trigger-kept counts of open leases follow (see store._LEASE_COUNTERS).
+        # The store's trigger-kept counts of open leases follow (see store.schema.SQLITE_LEASE_COUNTERS).
         expected["counters"][("open_leases",)]["value"] -= 1
         expected["counters"][("open_probation_leases",)]["value"] -= lease["probation"]
     return expected

@@ -86,7 +86,7 @@ def test_edges_share_the_grpc_port_behind_one_published_port():
 
 def test_every_role_points_at_the_same_postgres_url():
     urls = {name: sets(SERVICES[name]["command"])["database"] for name in ROLES}
-    assert set(urls.values()) == {compose.DATABASE_URL} and st.store_pg.is_url(compose.DATABASE_URL)
+    assert set(urls.values()) == {compose.DATABASE_URL} and st.pg.is_url(compose.DATABASE_URL)
     url = urlsplit(compose.DATABASE_URL)
     pg_env = SERVICES["postgres"]["environment"]
     assert (url.hostname, url.port, url.username, url.path) == ("postgres", 5432, pg_env["POSTGRES_USER"],
