@@ -160,6 +160,7 @@ class Coordinator:
             elif closing.exception() is not None:
                 log.error("closing %s failed", _name_of(close), exc_info=closing.exception())
         self.service.close()
+        self.service.metrics.registry.close()
         # The store commits what it was handed first; it waits on nothing but the database. Past the deadline
         # (at least 2 s of its own) it is a statement PostgreSQL has not answered: left behind as well.
         if not self.db.close(timeout=max(2.0, deadline - time.monotonic())):

@@ -350,7 +350,7 @@ def make_app(coord, source: StatusSource) -> web.Application:
     metrics = coord.service.metrics
     grpc_calls = metrics.registry.gauge("veriroll_grpc_calls", "calls gRPC counted since start by result (started, "
                                         "succeeded, failed); failed includes refusals before the edge, such as "
-                                        "bodies over the transport cap", ("result",))
+                                        "bodies over the transport cap", ("result",), mode="livesum")
 
     async def metrics_handler(request: web.Request) -> web.Response:
         summary = await coord.service.refresh_gauges()
