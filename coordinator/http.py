@@ -64,6 +64,7 @@ from aiohttp import web
 from veriroll.coordinator import store as st
 from veriroll.coordinator.limits import PeerGate
 from veriroll.coordinator.metrics import Counter
+from veriroll.protos.errors import VerirollError
 
 log = logging.getLogger("veriroll.coordinator.http")
 
@@ -294,7 +295,7 @@ class StatusSource:
 # --- the handlers (translation only) --------------------------------------------------------------------
 
 
-class BadParameter(ValueError):
+class BadParameter(VerirollError, ValueError):
     """A query parameter that is not in its allowed range; answered 400, never logged."""
 
     def __init__(self, name: str, allowed: str):

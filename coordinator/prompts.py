@@ -14,12 +14,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 
+from veriroll.protos.errors import VerirollError
+
 __all__ = ["CHAT_TEMPLATE_MODES", "PromptRenderError", "PromptRenderer", "prompt_messages"]
 
 CHAT_TEMPLATE_MODES = ("auto", "always", "never")
 
 
-class PromptRenderError(ValueError):
+class PromptRenderError(VerirollError, ValueError):
     """Prompts cannot be rendered as configured; the message names the model and the fix."""
 
 

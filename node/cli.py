@@ -237,19 +237,24 @@ async def _run(cfg: NodeConfig, console=None, hw=None, ran: dict | None = None, 
         _release_signals(loop)
 
 
-# Refusals at registration that no retry fixes, with what to do; anything else points at the doctor.
-REFUSAL_ADVICE = {
-    "clock_skew": (2, "set the system clock: {ntp}"),
-    "replayed_nonce": (2, "if this machine's clock is behind, set it: {ntp}; then `veriroll node doctor`"),
-    "pow_required": (2, "registering a new key here takes more proof of work than this node allows; allow it with "
-                        "`--set pow_max_bits=N`, or use a key this coordinator knows"),
-    "pow_invalid": (2, "the coordinator refused this node's proof of work twice; check the system clock (NTP) and "
-                       "`veriroll node doctor`"),
-    "banned": (3, "this key is banned on this coordinator; `veriroll node credits` shows its ledger and why"),
-    "key_in_use": (2, "another node process runs this key right now; stop that one, or give this node its own key "
-                      "(`veriroll keygen --out PATH`, then `--key PATH`)"),
-    "node_too_old": (2, "upgrade this node: pip install -U veriroll"),
-}
+def refusal_advice(refusal) -> tuple[int, str]:
+    """The exit status and advice for a refusal at registration that no retry fixes (a ``Reason``, or None
+    for a failure without one); anything else points at the doctor."""
+    from veriroll.protos.reasons import Reason  # here: `veriroll node --help` need not import grpc
+
+    advice = {
+        Reason.CLOCK_SKEW: (2, "set the system clock: {ntp}"),
+        Reason.REPLAYED_NONCE: (2, "if this machine's clock is behind, set it: {ntp}; then `veriroll node doctor`"),
+        Reason.POW_REQUIRED: (2, "registering a new key here takes more proof of work than this node allows; allow it with "
+                             "`--set pow_max_bits=N`, or use a key this coordinator knows"),
+        Reason.POW_INVALID: (2, "the coordinator refused this node's proof of work twice; check the system clock (NTP) and "
+                            "`veriroll node doctor`"),
+        Reason.BANNED: (3, "this key is banned on this coordinator; `veriroll node credits` shows its ledger and why"),
+        Reason.KEY_IN_USE: (2, "another node process runs this key right now; stop that one, or give this node its own key "
+                           "(`veriroll keygen --out PATH`, then `--key PATH`)"),
+        Reason.NODE_TOO_OLD: (2, "upgrade this node: pip install -U veriroll"),
+    }
+    return advice.get(refusal, (3, "see `veriroll node doctor`"))
 
 
 def cmd_run(args) -> int:
@@ -314,7 +319,7 @@ def cmd_run(args) -> int:
         return 1
     except CallError as exc:
         # Refusals a node cannot retry its way out of (clock skew, ban, proof of work...): say why, no traceback.
-        code, advice = REFUSAL_ADVICE.get(exc.reason, (3, "see `veriroll node doctor`"))
+        code, advice = refusal_advice(exc.refusal)
         print(f"the coordinator refused this node: {exc}\n  → {advice.format(ntp=NTP_ADVICE)}", file=sys.stderr)
         return code
     finally:

@@ -20,10 +20,12 @@ import tomlkit
 from pydantic import BaseModel, ValidationError
 from pydantic.fields import FieldInfo
 
+from veriroll.protos.errors import VerirollError
+
 M = TypeVar("M", bound=BaseModel)
 
 
-class ConfigError(Exception):
+class ConfigError(VerirollError):
     """A config file or override is invalid; the message says which key and why."""
 
 
