@@ -39,7 +39,7 @@ class ShowVersion(argparse.Action):
         super().__init__(option_strings, dest=dest, default=argparse.SUPPRESS, nargs=0, **kwargs)
 
     def __call__(self, parser, namespace, values, option_string=None):
-        from veriroll.cli.install import version_text
+        from veriroll.node.install import version_text
 
         print(version_text())
         parser.exit()

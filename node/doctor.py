@@ -591,7 +591,7 @@ def check_torch_build() -> Check:
     """Whether the installed torch fits this machine (a CUDA build without a driver costs gigabytes for
     nothing; a CPU build leaves a GPU idle) and is the version veriroll is tested with; from package
     metadata, without importing torch."""
-    from veriroll.cli.install import installed_torch_fit
+    from veriroll.node.install import installed_torch_fit
 
     torch, advice = installed_torch_fit()
     if advice:
