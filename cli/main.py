@@ -45,6 +45,14 @@ class ShowVersion(argparse.Action):
         parser.exit()
 
 
+def _make_adversary(kind: str):
+    """TESTING ONLY: ``veriroll node run --adversary KIND``'s adversary, from the test network's side (the node
+    package ships none); imported only when a node is started as one."""
+    from veriroll.deploy.adversary import make_adversary
+
+    return make_adversary(kind)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="veriroll", description="verifiable asynchronous RL on untrusted hardware")
     parser.add_argument("--version", action=ShowVersion, help="print veriroll's and torch's versions, and what to "
@@ -67,7 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
     from veriroll.shardcast.cli import register as register_shardcast
 
     register_coordinator(sub)
-    register_node(sub)
+    register_node(sub, make_adversary=_make_adversary)
     register_shardcast(sub)
     register_testnet(sub)
     register_plan(sub)

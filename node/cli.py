@@ -82,8 +82,11 @@ def check_engine(cfg: NodeConfig, hw=None):
     return kind, hw
 
 
-def build_agent(cfg: NodeConfig, channel, hw=None):
-    """Everything a node needs, from its config: key, hardware, engine factory, weight source."""
+def build_agent(cfg: NodeConfig, channel, hw=None, make_adversary=None):
+    """Everything a node needs, from its config: key, hardware, engine factory, weight source.
+
+    ``make_adversary`` (TESTING ONLY) turns ``cfg.adversary`` into an adversary; the test network's live in
+    ``veriroll.deploy.adversary`` and the ``veriroll`` command hands them in: the node package ships none."""
     import torch
 
     from veriroll.node.agent import NodeAgent
@@ -120,8 +123,9 @@ def build_agent(cfg: NodeConfig, channel, hw=None):
                                  relays=cfg.relays, swarm=swarm, announce=cfg.swarm_announce)
     adversary = None
     if cfg.adversary:
-        from veriroll.node.adversary import make_adversary
-
+        if make_adversary is None:
+            raise ConfigError(f"adversary {cfg.adversary!r}: this node was started without the test network's "
+                              "adversaries (run it as `veriroll node run --adversary KIND`)")
         adversary = make_adversary(cfg.adversary)
     agent = NodeAgent(cfg, key=key, channel=channel, engine_factory=engine_factory, versions=versions, hardware=hw,
                       engine_kind=engine_kind, device=device, adversary=adversary)
@@ -176,7 +180,8 @@ def _release_signals(loop: asyncio.AbstractEventLoop) -> None:
     release_signals(_leave_on_signal, loop)
 
 
-async def _run(cfg: NodeConfig, console=None, hw=None, ran: dict | None = None, early: dict | None = None) -> int:
+async def _run(cfg: NodeConfig, console=None, hw=None, ran: dict | None = None, early: dict | None = None,
+               make_adversary=None) -> int:
     from veriroll.node.doctor import format_failure
     from veriroll.node.live import watch
 
@@ -211,7 +216,7 @@ async def _run(cfg: NodeConfig, console=None, hw=None, ran: dict | None = None, 
         if failure is None and not stop.is_set():
             channel = _channel(cfg)
             # A signal meanwhile is handled once the loop runs: it stops the agent.
-            agent = build_agent(cfg, channel, hw)
+            agent = build_agent(cfg, channel, hw, make_adversary)
         if agent is None:
             if failure is not None:
                 print(f"cannot start this node: {format_failure(failure)}", file=sys.stderr)
@@ -300,7 +305,7 @@ def cmd_run(args) -> int:
 
     ran: dict = {}
     try:
-        rc = asyncio.run(_run(cfg, console, hw, ran, early))
+        rc = asyncio.run(_run(cfg, console, hw, ran, early, getattr(args, "make_adversary", None)))
         agent = ran.get("agent")
         if agent is not None and any(t.is_alive() for t in agent.busy_threads):
             # An abandoned generation cannot be interrupted; exit without waiting for its thread.
@@ -399,10 +404,11 @@ def _common(q: argparse.ArgumentParser) -> None:
 
 
 ADVERSARY_HELP = ("TESTING ONLY — never on a real network: submit dishonest groups of the named KIND to exercise the "
-                  "coordinator's defences (see veriroll.node.adversary.KINDS). The node will be struck and banned.")
+                  "coordinator's defences (see veriroll.deploy.adversary.KINDS). The node will be struck and banned.")
 
 
-def register(subparsers) -> None:
+def register(subparsers, make_adversary=None) -> None:
+    """The ``node`` commands; ``make_adversary`` (TESTING ONLY: KIND -> adversary) serves ``run --adversary``."""
     p = subparsers.add_parser("node", help="run a volunteer node")
     sub = p.add_subparsers(dest="node_command", required=True)
 
@@ -428,7 +434,7 @@ def register(subparsers) -> None:
     q.add_argument("--log-level", default="info")
     q.add_argument("--plain", action="store_true", default=None,
                    help="no live panel: a summary line every summary_every_s (the default without a terminal)")
-    q.set_defaults(func=cmd_run)
+    q.set_defaults(func=cmd_run, make_adversary=make_adversary)
 
     q = sub.add_parser("doctor", help="check key, coordinator, TLS, clock, relays and disk; say what to fix")
     _common(q)
