@@ -56,11 +56,14 @@ def test_counters_histograms_and_cleared_gauges_read_back():
     m.requests.inc(method="Register", result="ok")
     m.store_writer_ops.set(5)
     m.store_writer_ops.set(7)
+    m.store_writer_seconds.set(9.0, clock="wall")
+    m.store_writer_seconds.set(2.5, clock="wall")  # a total started again: so is the counter
     m.request_latency.observe(0.2, method="Register")
     m.trainer_staleness.set(3, staleness=1)
     m.trainer_staleness.clear()
     f = families(m.registry.render())
     assert m.requests.get(method="Register", result="ok") == 1 and m.store_writer_ops.get() == 7
+    assert m.store_writer_seconds.values == {("wall",): 2.5}
     assert [s.value for s in f["veriroll_store_writer_ops_total"].samples] == [7]
     assert m.request_latency.counts[("Register",)][-1] == 1
     assert not f["veriroll_trainer_staleness_samples"].samples
