@@ -103,9 +103,6 @@ class Gauge(Counter):
         return prometheus_client.Gauge(self.name, self.help, self.label_names, registry=registry,
                                        multiprocess_mode=self.mode)
 
-    def inc(self, amount: float = 1.0, **labels) -> None:
-        self._child(labels).inc(amount)
-
     def set(self, value: float, **labels) -> None:
         self._child(labels).set(float(value))
 
