@@ -39,10 +39,18 @@ class ShowVersion(argparse.Action):
         super().__init__(option_strings, dest=dest, default=argparse.SUPPRESS, nargs=0, **kwargs)
 
     def __call__(self, parser, namespace, values, option_string=None):
-        from veriroll.cli.install import version_text
+        from veriroll.node.install import version_text
 
         print(version_text())
         parser.exit()
+
+
+def _make_adversary(kind: str):
+    """TESTING ONLY: ``veriroll node run --adversary KIND``'s adversary, from the test network's side (the node
+    package ships none); imported only when a node is started as one."""
+    from veriroll.deploy.adversary import make_adversary
+
+    return make_adversary(kind)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -67,7 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
     from veriroll.shardcast.cli import register as register_shardcast
 
     register_coordinator(sub)
-    register_node(sub)
+    register_node(sub, make_adversary=_make_adversary)
     register_shardcast(sub)
     register_testnet(sub)
     register_plan(sub)

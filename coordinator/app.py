@@ -29,6 +29,7 @@ from veriroll.coordinator.server import read_tls, start_server
 from veriroll.coordinator.service import CoordinatorService, PolicyState
 from veriroll.protos.config import ConfigError, load_config, resolve_path
 from veriroll.protos.descriptors import raise_descriptor_limit
+from veriroll.protos.errors import VerirollError
 from veriroll.protos.identity import load_private_key
 from veriroll.shardcast.relay import DEFAULT_MAX_CONNECTIONS, DEFAULT_MAX_TRANSFERS
 from veriroll.shardcast.swarm.hints import PeerDirectory
@@ -50,7 +51,7 @@ def load_coordinator_config(base_dir: Path, overrides=()) -> CoordinatorConfig:
     return load_config(CoordinatorConfig, path, overrides=overrides, env_prefix="VERIROLL_COORDINATOR_")
 
 
-class DirectoryInUse(Exception):
+class DirectoryInUse(VerirollError):
     """Another coordinator process serves this directory."""
 
 
@@ -85,7 +86,7 @@ class DirectoryLock:
             self._fd = None
 
 
-class CannotListen(Exception):
+class CannotListen(VerirollError):
     """A port the coordinator is configured to listen on is taken or not allowed."""
 
 
@@ -162,6 +163,7 @@ class Coordinator:
             elif closing.exception() is not None:
                 log.error("closing %s failed", _name_of(close), exc_info=closing.exception())
         self.service.close()
+        self.service.metrics.registry.close()
         # The store commits what it was handed first; it waits on nothing but the database. Past the deadline
         # (at least 2 s of its own) it is a statement PostgreSQL has not answered: left behind as well.
         if not self.db.close(timeout=max(2.0, deadline - time.monotonic())):

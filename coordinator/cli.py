@@ -14,6 +14,7 @@ from pathlib import Path
 from veriroll.coordinator import store as st
 from veriroll.coordinator.config import CoordinatorConfig
 from veriroll.protos.config import ConfigError, dump_toml, load_config, parse_scalar, resolve_path
+from veriroll.protos.errors import VerirollError
 
 TINY_PRESETS = ("tiny-arith", "tiny-reverse")
 MODEL_PRESETS: dict[str, dict] = {
@@ -67,7 +68,7 @@ def preset_overrides(preset: str) -> dict:
             "trainer.lr": recipe.rl_lr, **PRESET_SETTINGS[preset]}
 
 
-class InitError(Exception):
+class InitError(VerirollError):
     """``coordinator init`` refused its input; nothing was written."""
 
 

@@ -17,21 +17,19 @@ from veriroll.coordinator.admission import NonceStore, RateLimiter
 from veriroll.coordinator.config import CoordinatorConfig
 from veriroll.coordinator.ledger import Ledger, NodeInfo
 from veriroll.coordinator.store import Standing
+from veriroll.protos import errors as protos_errors
 from veriroll.protos.envelope import SignedHeaders, verify_signature
 from veriroll.protos.identity import public_key_problem
 from veriroll.protos.reasons import Reason
 
 
-class Refusal(Exception):
+class Refusal(protos_errors.Refusal):
     """A request refused for ``reason``; ``detail`` is shown to the node. ``counted`` is set once the
     refusal is recorded, so that it is never recorded twice on its way out. ``node_id`` names the caller
     when the door refuses it after looking it up (banned, over its key's rate), so it is counted against it."""
 
     def __init__(self, reason: Reason, detail: str = "", *, counted: bool = False, node_id: str = ""):
-        detail = bounded_detail(detail or reason.message)
-        super().__init__(f"{reason.value}: {detail}")
-        self.reason = reason
-        self.detail = detail
+        super().__init__(reason, bounded_detail(detail or reason.message))
         self.counted = counted
         self.node_id = node_id  # the registered node refused, when the door knew it already
 

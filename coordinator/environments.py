@@ -24,6 +24,8 @@ import string
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from veriroll.protos.errors import VerirollError
+
 __all__ = [
     "BUILTIN_ENVIRONMENTS",
     "ArithmeticEnvironment",
@@ -248,7 +250,7 @@ BUILTIN_ENVIRONMENTS: dict[str, Callable[..., Environment]] = {
 }
 
 
-class EnvironmentLoadError(ValueError):
+class EnvironmentLoadError(VerirollError, ValueError):
     """An environment spec names nothing loadable; the message says what was expected."""
 
 

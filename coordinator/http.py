@@ -64,6 +64,7 @@ from aiohttp import web
 from veriroll.coordinator import store as st
 from veriroll.coordinator.limits import PeerGate
 from veriroll.coordinator.metrics import Counter
+from veriroll.protos.errors import VerirollError
 
 log = logging.getLogger("veriroll.coordinator.http")
 
@@ -294,7 +295,7 @@ class StatusSource:
 # --- the handlers (translation only) --------------------------------------------------------------------
 
 
-class BadParameter(ValueError):
+class BadParameter(VerirollError, ValueError):
     """A query parameter that is not in its allowed range; answered 400, never logged."""
 
     def __init__(self, name: str, allowed: str):
@@ -350,7 +351,7 @@ def make_app(coord, source: StatusSource) -> web.Application:
     metrics = coord.service.metrics
     grpc_calls = metrics.registry.gauge("veriroll_grpc_calls", "calls gRPC counted since start by result (started, "
                                         "succeeded, failed); failed includes refusals before the edge, such as "
-                                        "bodies over the transport cap", ("result",))
+                                        "bodies over the transport cap", ("result",), mode="livesum")
 
     async def metrics_handler(request: web.Request) -> web.Response:
         summary = await coord.service.refresh_gauges()

@@ -29,6 +29,8 @@ from pathlib import Path
 
 import torch
 
+from veriroll.protos.errors import VerirollError
+
 __all__ = [
     "BUILTIN_MODELS",
     "ModelLoadError",
@@ -52,7 +54,7 @@ MAX_SHARD_SIZE = "2GB"
 """Checkpoints larger than this are written as several safetensors shards with an index (HF's format)."""
 
 
-class ModelLoadError(ValueError):
+class ModelLoadError(VerirollError, ValueError):
     """A model spec that cannot become version 0; the message says why and what to do."""
 
 

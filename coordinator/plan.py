@@ -42,8 +42,10 @@ import json
 import math
 from pathlib import Path
 
+from veriroll.protos.errors import VerirollError
 
-class PlanError(ValueError):
+
+class PlanError(VerirollError, ValueError):
     """An input the model cannot plan for; the message names the input and the reason."""
 
 

@@ -17,12 +17,14 @@ from typing import get_args
 
 from veriroll.coordinator.config import ChatTemplate
 
+from veriroll.protos.errors import VerirollError
+
 __all__ = ["CHAT_TEMPLATE_MODES", "PromptRenderError", "PromptRenderer", "prompt_messages"]
 
 CHAT_TEMPLATE_MODES = get_args(ChatTemplate)
 
 
-class PromptRenderError(ValueError):
+class PromptRenderError(VerirollError, ValueError):
     """Prompts cannot be rendered as configured; the message names the model and the fix."""
 
 

@@ -41,6 +41,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from veriroll.coordinator.environments import Prompt
+from veriroll.protos.errors import VerirollError
 
 __all__ = ["REWARD_ERROR_KINDS", "GroupRewards", "RewardRunner", "RewardWorkerError"]
 
@@ -51,7 +52,7 @@ REWARD_ERROR_KINDS = ("exception", "timeout", "invalid", "crash")
 non-finite or non-numeric value, or took its worker process down."""
 
 
-class RewardWorkerError(RuntimeError):
+class RewardWorkerError(VerirollError, RuntimeError):
     """A reward worker could not start (the environment does not load in a fresh process)."""
 
 

@@ -45,7 +45,7 @@ VERSION = SOFTWARE_VERSION
 GOODBYE_S = 2.0  # the last heartbeat's deadline, when stopping
 
 # Refusals that end a running node: waiting does not change them, and working on would be wasted.
-FATAL_REFUSALS = {"banned": 3, "key_in_use": 2, "node_too_old": 2}
+FATAL_REFUSALS = {Reason.BANNED: 3, Reason.KEY_IN_USE: 2, Reason.NODE_TOO_OLD: 2}
 
 IDLE_SWAP_DEADLINE_MS = 60_000  # a version the node holds is live well within this; _engine_for needs a deadline
 
@@ -199,7 +199,7 @@ class NodeAgent:
                 self.status.connected = True
                 return result
             except CallError as err:
-                if err.code in RETRYABLE and err.reason != "message_too_large":
+                if err.code in RETRYABLE and err.refusal is not Reason.MESSAGE_TOO_LARGE:
                     if self.stopping.is_set() and err.code == grpc.StatusCode.UNAVAILABLE:
                         raise
                     self.status.connected = err.code != grpc.StatusCode.UNAVAILABLE
@@ -208,7 +208,7 @@ class NodeAgent:
                     log.warning("coordinator call failed (%s); retrying in %.1fs", err.reason, delay)
                     await self._sleep(delay)
                     continue
-                if err.reason == "unknown_key":
+                if err.refusal is Reason.UNKNOWN_KEY:
                     log.warning("coordinator does not know this key (restarted with a new state?); registering again")
                     await self.register()
                     continue
@@ -306,7 +306,7 @@ class NodeAgent:
                     raise
                 delay = self._backoff.next()
                 self.status.last_error = f"{err.reason}: {err.said}"
-                if err.reason == Reason.NEW_IDENTITY_LIMITED.value:
+                if err.refusal is Reason.NEW_IDENTITY_LIMITED:
                     log.warning("the coordinator takes no more new keys from this network now (%s); retrying in %.1fs",
                                 err.said, delay)
                 else:
@@ -366,7 +366,7 @@ class NodeAgent:
                 self.status.note_ok()
             except CallError as err:
                 self.status.last_error = f"heartbeat: {err.reason}"
-                if err.reason in FATAL_REFUSALS:
+                if err.refusal in FATAL_REFUSALS:
                     self._fatal(err)
                     break
                 failing.failed(err.reason, err.said)
@@ -472,7 +472,7 @@ class NodeAgent:
                 except CallError as err:
                     self.status.rejected[err.reason] += 1
                     self.status.last_error = str(err)
-                    if err.reason in FATAL_REFUSALS:
+                    if err.refusal in FATAL_REFUSALS:
                         self._fatal(err)
                         break
                     log.warning("lease request refused: %s", err)
@@ -505,11 +505,11 @@ class NodeAgent:
 
     def _fatal(self, err: CallError) -> None:
         """A refusal that ends this node (banned, its key in use elsewhere, too old): say why and stop."""
-        advice = {"banned": "`veriroll node credits` shows its ledger and why",
-                  "key_in_use": "stop the other process, or give this node its own key (veriroll keygen --out PATH)",
-                  "node_too_old": "pip install -U veriroll"}[err.reason]
+        advice = {Reason.BANNED: "`veriroll node credits` shows its ledger and why",
+                  Reason.KEY_IN_USE: "stop the other process, or give this node its own key (veriroll keygen --out PATH)",
+                  Reason.NODE_TOO_OLD: "pip install -U veriroll"}[err.refusal]
         log.error("the coordinator refused this node (%s): %s; %s", err.reason, err.said, advice)
-        self.exit_code = FATAL_REFUSALS[err.reason]
+        self.exit_code = FATAL_REFUSALS[err.refusal]
         self.stopping.set()
         self.abandon.set()
 

@@ -82,8 +82,11 @@ def check_engine(cfg: NodeConfig, hw=None):
     return kind, hw
 
 
-def build_agent(cfg: NodeConfig, channel, hw=None):
-    """Everything a node needs, from its config: key, hardware, engine factory, weight source."""
+def build_agent(cfg: NodeConfig, channel, hw=None, make_adversary=None):
+    """Everything a node needs, from its config: key, hardware, engine factory, weight source.
+
+    ``make_adversary`` (TESTING ONLY) turns ``cfg.adversary`` into an adversary; the test network's live in
+    ``veriroll.deploy.adversary`` and the ``veriroll`` command hands them in: the node package ships none."""
     import torch
 
     from veriroll.node.agent import NodeAgent
@@ -120,8 +123,9 @@ def build_agent(cfg: NodeConfig, channel, hw=None):
                                  relays=cfg.relays, swarm=swarm, announce=cfg.swarm_announce)
     adversary = None
     if cfg.adversary:
-        from veriroll.node.adversary import make_adversary
-
+        if make_adversary is None:
+            raise ConfigError(f"adversary {cfg.adversary!r}: this node was started without the test network's "
+                              "adversaries (run it as `veriroll node run --adversary KIND`)")
         adversary = make_adversary(cfg.adversary)
     agent = NodeAgent(cfg, key=key, channel=channel, engine_factory=engine_factory, versions=versions, hardware=hw,
                       engine_kind=engine_kind, device=device, adversary=adversary)
@@ -176,7 +180,8 @@ def _release_signals(loop: asyncio.AbstractEventLoop) -> None:
     release_signals(_leave_on_signal, loop)
 
 
-async def _run(cfg: NodeConfig, console=None, hw=None, ran: dict | None = None, early: dict | None = None) -> int:
+async def _run(cfg: NodeConfig, console=None, hw=None, ran: dict | None = None, early: dict | None = None,
+               make_adversary=None) -> int:
     from veriroll.node.doctor import format_failure
     from veriroll.node.live import watch
 
@@ -211,7 +216,7 @@ async def _run(cfg: NodeConfig, console=None, hw=None, ran: dict | None = None, 
         if failure is None and not stop.is_set():
             channel = _channel(cfg)
             # A signal meanwhile is handled once the loop runs: it stops the agent.
-            agent = build_agent(cfg, channel, hw)
+            agent = build_agent(cfg, channel, hw, make_adversary)
         if agent is None:
             if failure is not None:
                 print(f"cannot start this node: {format_failure(failure)}", file=sys.stderr)
@@ -237,19 +242,24 @@ async def _run(cfg: NodeConfig, console=None, hw=None, ran: dict | None = None, 
         _release_signals(loop)
 
 
-# Refusals at registration that no retry fixes, with what to do; anything else points at the doctor.
-REFUSAL_ADVICE = {
-    "clock_skew": (2, "set the system clock: {ntp}"),
-    "replayed_nonce": (2, "if this machine's clock is behind, set it: {ntp}; then `veriroll node doctor`"),
-    "pow_required": (2, "registering a new key here takes more proof of work than this node allows; allow it with "
-                        "`--set pow_max_bits=N`, or use a key this coordinator knows"),
-    "pow_invalid": (2, "the coordinator refused this node's proof of work twice; check the system clock (NTP) and "
-                       "`veriroll node doctor`"),
-    "banned": (3, "this key is banned on this coordinator; `veriroll node credits` shows its ledger and why"),
-    "key_in_use": (2, "another node process runs this key right now; stop that one, or give this node its own key "
-                      "(`veriroll keygen --out PATH`, then `--key PATH`)"),
-    "node_too_old": (2, "upgrade this node: pip install -U veriroll"),
-}
+def refusal_advice(refusal) -> tuple[int, str]:
+    """The exit status and advice for a refusal at registration that no retry fixes (a ``Reason``, or None
+    for a failure without one); anything else points at the doctor."""
+    from veriroll.protos.reasons import Reason  # here: `veriroll node --help` need not import grpc
+
+    advice = {
+        Reason.CLOCK_SKEW: (2, "set the system clock: {ntp}"),
+        Reason.REPLAYED_NONCE: (2, "if this machine's clock is behind, set it: {ntp}; then `veriroll node doctor`"),
+        Reason.POW_REQUIRED: (2, "registering a new key here takes more proof of work than this node allows; allow it with "
+                             "`--set pow_max_bits=N`, or use a key this coordinator knows"),
+        Reason.POW_INVALID: (2, "the coordinator refused this node's proof of work twice; check the system clock (NTP) and "
+                            "`veriroll node doctor`"),
+        Reason.BANNED: (3, "this key is banned on this coordinator; `veriroll node credits` shows its ledger and why"),
+        Reason.KEY_IN_USE: (2, "another node process runs this key right now; stop that one, or give this node its own key "
+                           "(`veriroll keygen --out PATH`, then `--key PATH`)"),
+        Reason.NODE_TOO_OLD: (2, "upgrade this node: pip install -U veriroll"),
+    }
+    return advice.get(refusal, (3, "see `veriroll node doctor`"))
 
 
 def cmd_run(args) -> int:
@@ -295,7 +305,7 @@ def cmd_run(args) -> int:
 
     ran: dict = {}
     try:
-        rc = asyncio.run(_run(cfg, console, hw, ran, early))
+        rc = asyncio.run(_run(cfg, console, hw, ran, early, getattr(args, "make_adversary", None)))
         agent = ran.get("agent")
         if agent is not None and any(t.is_alive() for t in agent.busy_threads):
             # An abandoned generation cannot be interrupted; exit without waiting for its thread.
@@ -314,7 +324,7 @@ def cmd_run(args) -> int:
         return 1
     except CallError as exc:
         # Refusals a node cannot retry its way out of (clock skew, ban, proof of work...): say why, no traceback.
-        code, advice = REFUSAL_ADVICE.get(exc.reason, (3, "see `veriroll node doctor`"))
+        code, advice = refusal_advice(exc.refusal)
         print(f"the coordinator refused this node: {exc}\n  → {advice.format(ntp=NTP_ADVICE)}", file=sys.stderr)
         return code
     finally:
@@ -394,10 +404,11 @@ def _common(q: argparse.ArgumentParser) -> None:
 
 
 ADVERSARY_HELP = ("TESTING ONLY — never on a real network: submit dishonest groups of the named KIND to exercise the "
-                  "coordinator's defences (see veriroll.node.adversary.KINDS). The node will be struck and banned.")
+                  "coordinator's defences (see veriroll.deploy.adversary.KINDS). The node will be struck and banned.")
 
 
-def register(subparsers) -> None:
+def register(subparsers, make_adversary=None) -> None:
+    """The ``node`` commands; ``make_adversary`` (TESTING ONLY: KIND -> adversary) serves ``run --adversary``."""
     p = subparsers.add_parser("node", help="run a volunteer node")
     sub = p.add_subparsers(dest="node_command", required=True)
 
@@ -423,7 +434,7 @@ def register(subparsers) -> None:
     q.add_argument("--log-level", default="info")
     q.add_argument("--plain", action="store_true", default=None,
                    help="no live panel: a summary line every summary_every_s (the default without a terminal)")
-    q.set_defaults(func=cmd_run)
+    q.set_defaults(func=cmd_run, make_adversary=make_adversary)
 
     q = sub.add_parser("doctor", help="check key, coordinator, TLS, clock, relays and disk; say what to fix")
     _common(q)

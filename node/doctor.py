@@ -295,6 +295,7 @@ async def check_signed_call(cfg: NodeConfig, key, clock_offset_s: float, timeout
     import grpc
 
     from veriroll.protos.envelope import sign_request
+    from veriroll.protos.reasons import Reason
     from veriroll.protos.service import CallError, SignedStub, full_method, secure_channel
     from veriroll.protos.v1 import coordinator_pb2 as pb
 
@@ -319,7 +320,7 @@ async def check_signed_call(cfg: NodeConfig, key, clock_offset_s: float, timeout
         try:
             return await signed("Register", request), sent
         except CallError as err:
-            challenge = Challenge.from_detail(err.details) if err.reason in ("pow_required", "pow_invalid") else None
+            challenge = Challenge.from_detail(err.details) if err.refusal in (Reason.POW_REQUIRED, Reason.POW_INVALID) else None
             if challenge is None or challenge.bits > cfg.pow_max_bits:
                 raise
         ts = int(local_ms())  # the proof is bound to the signed timestamp
@@ -334,7 +335,7 @@ async def check_signed_call(cfg: NodeConfig, key, clock_offset_s: float, timeout
         try:
             resp = await signed("Heartbeat", pb.HeartbeatRequest(loaded_version=-1))
         except CallError as err:
-            if err.reason != "unknown_key":
+            if err.refusal is not Reason.UNKNOWN_KEY:
                 raise
             from veriroll.node.agent import VERSION
             from veriroll.node.hardware import detect_hardware
@@ -352,19 +353,19 @@ async def check_signed_call(cfg: NodeConfig, key, clock_offset_s: float, timeout
         except CallError:
             policy = None
     except CallError as err:
-        if err.reason == "replayed_nonce" and "restarted" in err.details:
+        if err.refusal is Reason.REPLAYED_NONCE and "restarted" in err.details:
             # The coordinator refuses anything signed before it started: our clock is behind its start.
             return CallResult(
                 Check("signed call", OK, "the coordinator answered, but refused the request's timestamp"),
                 Check("clock", WARN, "this machine's clock is behind the coordinator's: it signed a request with a "
                                      "time before the coordinator started", NTP_ADVICE, {"refused": True}))
-        if err.reason == "clock_skew":
+        if err.refusal is Reason.CLOCK_SKEW:
             return CallResult(
                 Check("signed call", OK, "the coordinator answered, but refused the request's timestamp"),
                 Check("clock", FAIL, f"the coordinator refused this machine's clock: {err.said}", NTP_ADVICE,
                       {"refused": True}))
         skipped = Check("clock", SKIP, "no answer to measure the clock against")
-        if err.reason == "banned":
+        if err.refusal is Reason.BANNED:
             return CallResult(Check("signed call", FAIL, f"this key is banned by the coordinator: {err.said}",
                                     "see why with `veriroll node credits`; the operator can lift a ban "
                                     "(`veriroll coordinator unban`)"), skipped)
@@ -590,7 +591,7 @@ def check_torch_build() -> Check:
     """Whether the installed torch fits this machine (a CUDA build without a driver costs gigabytes for
     nothing; a CPU build leaves a GPU idle) and is the version veriroll is tested with; from package
     metadata, without importing torch."""
-    from veriroll.cli.install import installed_torch_fit
+    from veriroll.node.install import installed_torch_fit
 
     torch, advice = installed_torch_fit()
     if advice:

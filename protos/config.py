@@ -14,14 +14,18 @@ import os
 import tomllib
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, TypeVar, get_args
 
+import tomlkit
 from pydantic import BaseModel, ValidationError
+from pydantic.fields import FieldInfo
+
+from veriroll.protos.errors import VerirollError
 
 M = TypeVar("M", bound=BaseModel)
 
 
-class ConfigError(Exception):
+class ConfigError(VerirollError):
     """A config file or override is invalid; the message says which key and why."""
 
 
@@ -101,41 +105,47 @@ def _known(model: type[BaseModel], dotted: str) -> bool:
 
 
 def dump_toml(config: BaseModel) -> str:
-    """Render a config as TOML (for ``init`` and ``--dry-run``): sections for nested models."""
-    data = config.model_dump(mode="json")
-    lines: list[str] = []
-    _emit(lines, data, type(config), prefix="")
-    return "\n".join(lines).strip() + "\n"
+    """Render a config as TOML (for ``init`` and ``--dry-run``): sections for nested models, each setting
+    under its description as a comment. ``tomllib.loads`` of the text validates back to the same config."""
+    doc = tomlkit.document()
+    _fill(doc, config.model_dump(mode="json"), type(config))
+    return tomlkit.dumps(doc).strip() + "\n"
 
 
-def _emit(lines: list[str], data: dict, model: type[BaseModel] | None, prefix: str) -> None:
+def _fill(container, data: dict, model: type[BaseModel] | None) -> None:
+    """Add ``data`` to a tomlkit document or table: plain values first, then one table per section."""
     fields = getattr(model, "model_fields", {}) if model else {}
-    scalars = {k: v for k, v in data.items() if not isinstance(v, dict)}
-    tables = {k: v for k, v in data.items() if isinstance(v, dict)}
-    for key, value in scalars.items():
-        if value is None:
+    sections = {}
+    for key, value in data.items():
+        if value is None:  # TOML has no null: the key is left out, and loads as its default
             continue
-        desc = fields[key].description if key in fields and fields[key].description else ""
-        if desc:
-            lines.append(f"# {desc}")
-        lines.append(f"{key} = {_toml_value(value)}")
-    for key, value in tables.items():
-        sub = fields[key].annotation if key in fields else None
-        lines.append("")
-        lines.append(f"[{prefix}{key}]")
-        _emit(lines, value, sub if isinstance(sub, type) and issubclass(sub, BaseModel) else None, f"{prefix}{key}.")
+        if isinstance(value, dict):
+            sections[key] = value
+            continue
+        _describe(container, fields.get(key))
+        container.add(key, tomlkit.item(value))
+    for key, value in sections.items():
+        table = tomlkit.table()
+        field = fields.get(key)
+        if field is not None and field.description:  # on the section's header line: `[server]  # gRPC edge...`
+            table.comment(" ".join(field.description.split()))
+        _fill(table, value, _section_model(field))
+        container.add(key, table)
 
 
-def _toml_value(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, (int, float)):
-        return repr(value)
-    if isinstance(value, str):
-        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
-    if isinstance(value, (list, tuple)):
-        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
-    raise ConfigError(f"cannot write {value!r} as TOML")
+def _describe(container, field: FieldInfo | None) -> None:
+    for line in ((field.description or "") if field else "").splitlines():
+        container.add(tomlkit.comment(line.strip()))
+
+
+def _section_model(field: FieldInfo | None) -> type[BaseModel] | None:
+    """The model a section's field holds (``Model`` or ``Model | None``), for its fields' descriptions."""
+    if field is None:
+        return None
+    for candidate in (field.annotation, *get_args(field.annotation)):
+        if isinstance(candidate, type) and issubclass(candidate, BaseModel):
+            return candidate
+    return None
 
 
 def resolve_path(base: Path, value: str | os.PathLike) -> Path:

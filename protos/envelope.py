@@ -21,6 +21,7 @@ import secrets
 import time
 from dataclasses import dataclass
 
+from veriroll.protos.errors import VerirollError
 from veriroll.protos.identity import InvalidPublicKey, PrivateKey, PublicKey
 
 DOMAIN = b"veriroll/v1/request"
@@ -62,7 +63,7 @@ class SignedHeaders:
     signature: bytes
 
 
-class EnvelopeError(ValueError):
+class EnvelopeError(VerirollError, ValueError):
     """The envelope is missing or malformed; ``reason`` is a veriroll reason code."""
 
     def __init__(self, reason: str, message: str):

@@ -27,12 +27,14 @@ import nacl.exceptions
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
+from veriroll.protos.errors import VerirollError
+
 PUBLIC_KEY_PREFIX = "ed25519"
 PUBLIC_KEY_BYTES = 32
 SIGNATURE_BYTES = 64
 
 
-class KeyFileError(Exception):
+class KeyFileError(VerirollError):
     """A key file is missing, unreadable, malformed, exposed, or would be overwritten; ``fix`` says what to do."""
 
     def __init__(self, message: str, fix: str = ""):
@@ -40,7 +42,7 @@ class KeyFileError(Exception):
         self.fix = fix
 
 
-class InvalidPublicKey(ValueError):
+class InvalidPublicKey(VerirollError, ValueError):
     """32 bytes that are not a usable Ed25519 public key (wrong length, not canonical, small order)."""
 
 

@@ -74,6 +74,15 @@ class Reason(str, enum.Enum):
         return _MESSAGES[self]
 
 
+def parse_reason(text: str) -> Reason | None:
+    """The reason spelled ``text`` on the wire, or None: a code this release does not know (a newer
+    coordinator's) or a failed call that carried no reason (a gRPC status name in lower case)."""
+    try:
+        return Reason(text)
+    except ValueError:
+        return None
+
+
 _C = grpc.StatusCode
 _CODES = {
     Reason.UNSIGNED: _C.UNAUTHENTICATED,

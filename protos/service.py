@@ -9,14 +9,15 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 
 from veriroll.protos.envelope import REASON_TRAILER, sign_request
+from veriroll.protos.errors import VerirollError
 from veriroll.protos.identity import PrivateKey
 from veriroll.protos.pow import DEFAULT_MAX_BITS, Challenge, solve
-from veriroll.protos.reasons import Reason
+from veriroll.protos.reasons import Reason, parse_reason
 from veriroll.protos.v1 import coordinator_pb2 as pb
 
 # Re-exported: the node and the coordinator import them from here.
@@ -38,7 +39,7 @@ METHODS: dict[str, tuple[type, type]] = {
 # and the method's own, so a short general timeout never cuts off SubmitGroup while the group is verified.
 DEFAULT_TIMEOUT_S = {"SubmitGroup": 120.0}
 DEFAULT_TIMEOUT = 15.0
-_POW_REFUSALS = (Reason.POW_REQUIRED.value, Reason.POW_INVALID.value)
+_POW_REFUSALS = (Reason.POW_REQUIRED, Reason.POW_INVALID)
 
 
 def full_method(name: str) -> str:
@@ -50,12 +51,21 @@ def _identity(b: bytes) -> bytes:
 
 
 @dataclass
-class CallError(Exception):
-    """A call the coordinator refused or could not answer, with its veriroll reason code."""
+class CallError(VerirollError):
+    """A call the coordinator refused or could not answer, with its veriroll reason code.
+
+    ``reason`` is the code as the wire spelled it (shown and counted as is); ``refusal`` is that code parsed,
+    once, into the contract's enum: compare that. It is None when the call failed without a veriroll
+    reason (``deadline_exceeded``: a gRPC status in lower case) or with one this release does not know.
+    """
 
     code: grpc.StatusCode
     reason: str
     details: str
+    refusal: Reason | None = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.refusal = parse_reason(self.reason)
 
     @property
     def said(self) -> str:
@@ -128,7 +138,7 @@ class SignedStub:
         try:
             return await self.call("Register", request)
         except CallError as err:
-            challenge = Challenge.from_detail(err.details) if err.reason in _POW_REFUSALS else None
+            challenge = Challenge.from_detail(err.details) if err.refusal in _POW_REFUSALS else None
             if challenge is None:
                 raise
             if challenge.bits > self.max_pow_bits:

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pytest
 
-from veriroll.cli.install import CPU_INDEX, cpu_install_line, is_cuda_wheel, torch_advice
+from veriroll.node.install import CPU_INDEX, cpu_install_line, is_cuda_wheel, torch_advice
 
 ROOT = Path(__file__).resolve().parents[1]
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())

@@ -18,6 +18,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+from veriroll.protos.errors import RefusalReason
+
 PROTOCOL = "/veriroll/shard/1.0.0"
 REQUEST_SIZE = 33
 SHARD_LENGTH_SIZE = 8
@@ -40,7 +42,7 @@ class Status(enum.IntEnum):
     BANNED = 5
 
 
-class Refusal(enum.StrEnum):
+class Refusal(RefusalReason):
     """Why a node's swarm refused a peer's stream or a peer's answer; counted by reason on both sides."""
 
     BUSY = "peer-busy"

@@ -297,7 +297,7 @@ def test_a_plaintext_coordinator_passes_with_a_warning_and_its_dashboard_port_is
 
 
 def test_a_torch_build_that_does_not_fit_the_machine_is_a_warning_with_the_install_line(monkeypatch):
-    import veriroll.cli.install as install
+    import veriroll.node.install as install
 
     monkeypatch.setattr(install, "installed_cuda_mb", lambda: 2800.0)  # PyPI's CUDA build...
     monkeypatch.setattr(install, "nvidia_driver_present", lambda: False)  # ...on a machine without a GPU

@@ -40,7 +40,7 @@ from veriroll.protos.envelope import sign_request
 from veriroll.protos.service import SOFTWARE_VERSION, CallError, SignedStub, full_method
 from veriroll.protos.v1 import coordinator_pb2 as pb
 
-log = logging.getLogger("veriroll.node.adversary")
+log = logging.getLogger("veriroll.deploy.adversary")
 
 KINDS: dict[str, str] = {
     "wrong-model": "generate with a differently initialized model of the same architecture (caught by TOPLOC)",

@@ -3,6 +3,8 @@
 pip cannot see whether a machine has an NVIDIA driver, and PyPI's torch for Linux x86-64 is the CUDA build:
 plain ``pip install veriroll`` on a CPU-only machine brings gigabytes of CUDA libraries it never uses. The
 README's install lines avoid that; this names the fix for an install that did not use them.
+
+It lives with the node (``veriroll node doctor`` checks the torch build); ``veriroll --version`` reads it too.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ import pytest
 from support import channel_to, make_coordinator_dir, running_coordinator
 
 from veriroll.coordinator import store as st
-from veriroll.node.adversary import KINDS, claimed_rewards_field, make_adversary
+from veriroll.deploy.adversary import KINDS, claimed_rewards_field, make_adversary
 from veriroll.node.agent import NodeAgent
 from veriroll.node.config import NodeConfig
 from veriroll.node.engines.torch import TorchEngine
