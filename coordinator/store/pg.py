@@ -27,6 +27,7 @@ from collections.abc import Callable, Iterator
 from typing import TypeVar
 
 from veriroll.coordinator.store.schema import COUNTER_SLOTS, POSTGRES_SCRIPTS
+from veriroll.protos.errors import VerirollError
 
 try:
     import psycopg
@@ -195,7 +196,7 @@ class _SnapshotNeeded(BaseException):
     BaseException, like GeneratorExit: control flow that a read's own ``except Exception`` must not catch."""
 
 
-class StoreUnavailable(Exception):
+class StoreUnavailable(VerirollError):
     """The PostgreSQL server cannot be reached now (restarting, stopped, network): the statement was not run,
     or its transaction was rolled back, or (the connection lost during COMMIT) it is unknown whether it
     committed; the store's operations are safe to retry (a group submitted again is answered as the first
