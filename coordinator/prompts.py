@@ -16,7 +16,6 @@ from collections.abc import Callable, Mapping
 from typing import get_args
 
 from veriroll.coordinator.config import ChatTemplate
-
 from veriroll.protos.errors import VerirollError
 
 __all__ = ["CHAT_TEMPLATE_MODES", "PromptRenderError", "PromptRenderer", "prompt_messages"]
