@@ -15,14 +15,13 @@ from __future__ import annotations
 import heapq
 import ipaddress
 import time
-import urllib.parse
-from collections import OrderedDict
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
 
 from veriroll.coordinator import store as st
 from veriroll.protos.envelope import SignedHeaders
+from veriroll.protos.netaddr import host_key, ip_of, prefix_key
 from veriroll.protos.pow import Challenge
+from veriroll.protos.ratelimit import BucketMap
 from veriroll.protos.reasons import Reason
 from veriroll.protos.v1 import coordinator_pb2 as pb
 
@@ -64,66 +63,23 @@ class NonceStore:
         return len(self._seen)
 
 
-@dataclass
-class TokenBucket:
-    rate: float
-    burst: float
-    tokens: float = -1.0
-    updated: float = field(default_factory=time.monotonic)
-
-    def take(self, now: float | None = None, cost: float = 1.0) -> bool:
-        now = time.monotonic() if now is None else now
-        if self.tokens < 0:
-            self.tokens = self.burst
-        self.tokens = min(self.burst, self.tokens + (now - self.updated) * self.rate)
-        self.updated = now
-        if self.tokens >= cost:
-            self.tokens -= cost
-            return True
-        return False
-
-
-class RateLimiter:
-    """Token buckets keyed by anything (node key, peer address); idle buckets are forgotten."""
+class RateLimiter(BucketMap):
+    """Requests per second per key (node key, address key), of which ``max_keys`` are kept; the edge
+    processes sharing a store each enforce their share of it (:meth:`split`)."""
 
     def __init__(self, rate: float, burst: float, *, max_keys: int = 100_000):
-        self.rate, self.burst, self.max_keys = rate, burst, max_keys
+        super().__init__(rate, burst, max_keys=max_keys)
         self.configured = (rate, burst)
-        self._buckets: dict[object, TokenBucket] = {}
 
     def split(self, parts: int) -> None:
         """Enforce ``1/parts`` of the configured rate and burst: the other ``parts - 1`` edge processes
         enforce the rest. The burst stays at least one request, or nothing would ever pass."""
         rate, burst = self.configured
-        self.rate, self.burst = rate / parts, max(1.0, burst / parts)
-        for bucket in self._buckets.values():
-            bucket.rate, bucket.burst = self.rate, self.burst
-            bucket.tokens = min(bucket.tokens, self.burst)
+        self.set_rate(rate / parts, max(1.0, burst / parts))
 
     def allow(self, key: object, now: float | None = None) -> bool:
-        bucket = self._buckets.get(key)
-        if bucket is None:
-            if len(self._buckets) >= self.max_keys:
-                self._prune(now if now is not None else time.monotonic())
-            bucket = self._buckets[key] = TokenBucket(self.rate, self.burst)
-        return bucket.take(now)
-
-    def _prune(self, now: float) -> None:
-        full_after = self.burst / self.rate if self.rate > 0 else float("inf")
-        for k in [k for k, b in self._buckets.items() if now - b.updated > full_after]:
-            del self._buckets[k]
-
-
-def peer_address(peer: str | None) -> str:
-    """The IP of a gRPC peer string (``ipv4:127.0.0.1:5432``, ``ipv6:%5B::1%5D:5432``), without the port."""
-    if not peer:
-        return "unknown"
-    kind, _, rest = peer.partition(":")
-    if kind == "ipv6":  # gRPC percent-encodes the brackets: ipv6:%5B::1%5D:5432
-        return urllib.parse.unquote(rest).rsplit(":", 1)[0].strip("[]")
-    if kind == "ipv4":
-        return rest.rsplit(":", 1)[0]
-    return peer
+        """Take one request from ``key``'s bucket; False (nothing taken) when it is empty."""
+        return self.take(key, 1.0, now)
 
 
 def check_envelope_time(nonces: NonceStore, headers: SignedHeaders, now_ms: int) -> Reason | None:
@@ -131,61 +87,6 @@ def check_envelope_time(nonces: NonceStore, headers: SignedHeaders, now_ms: int)
 
 
 # --- the cost of a new identity -----------------------------------------------------------------------
-
-UNPARSED = "unknown"  # the one budget shared by every peer whose address does not parse (fail closed)
-
-
-def _ip(address: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
-    """``address`` as an IP: IPv4-mapped IPv6 (``::ffff:1.2.3.4``) as the IPv4 it is, no IPv6 zone; None if garbage."""
-    try:
-        ip = ipaddress.ip_address(address.strip())
-    except ValueError:
-        return None
-    if isinstance(ip, ipaddress.IPv6Address):
-        if ip.ipv4_mapped is not None:
-            return ip.ipv4_mapped
-        return ipaddress.IPv6Address(ip.packed)  # drops a zone id ("fe80::1%eth0"): same host either way
-    return ip
-
-
-def prefix_of(address: str, *, v4: int = 24, v6: int = 64, unparsed: str | None = UNPARSED) -> str:
-    """The network ``address`` belongs to for the per-prefix budget: ``1.2.3.0/24``, ``2001:db8::/64``.
-
-    IPv4-mapped IPv6 counts as its IPv4. Anything that is not an IP address (``unknown``, ``unix:...``)
-    gets ``unparsed`` (default :data:`UNPARSED`: all such peers share one budget rather than escaping the
-    limit; None: the address itself).
-    """
-    ip = _ip(address)
-    if ip is None:
-        return address if unparsed is None else unparsed
-    return str(ipaddress.ip_network((ip, v4 if ip.version == 4 else v6), strict=False))
-
-
-class _HourlyBudget:
-    """Token buckets of ``per_hour`` refilling up to ``burst``, one per key; the ``max_keys`` most recent kept.
-
-    A bucket is stored only when a token is taken, and the least recently used is forgotten first: it
-    has been refilling the longest, so forgetting it (it comes back full) loses the least.
-    """
-
-    def __init__(self, per_hour: float, burst: float, max_keys: int):
-        self.rate = per_hour / 3600.0
-        self.burst = burst
-        self.max_keys = max_keys
-        self._buckets: OrderedDict[str, tuple[float, float]] = OrderedDict()  # key -> (tokens, at)
-
-    def tokens(self, key: str, now: float) -> float:
-        tokens, at = self._buckets.get(key, (self.burst, now))
-        return min(self.burst, tokens + max(0.0, now - at) * self.rate)
-
-    def take(self, key: str, tokens: float, now: float) -> None:
-        self._buckets[key] = (tokens - 1.0, now)
-        self._buckets.move_to_end(key)
-        while len(self._buckets) > self.max_keys:
-            self._buckets.popitem(last=False)
-
-    def __len__(self) -> int:
-        return len(self._buckets)
 
 
 class NewIdentityLimiter:
@@ -203,8 +104,9 @@ class NewIdentityLimiter:
         self.prefix_v4, self.prefix_v6 = prefix_v4, prefix_v6
         self.exempt = [ipaddress.ip_network(net, strict=False) for net in exempt]
         self.clock = clock
-        self.by_address = _HourlyBudget(per_hour_per_address, burst_per_address, max_tracked)
-        self.by_prefix = _HourlyBudget(per_hour_per_prefix, burst_per_prefix, max_tracked)
+        # A bucket is kept only once a token is taken from it (refusals cost a neighbour nothing).
+        self.by_address = BucketMap(per_hour_per_address / 3600.0, burst_per_address, max_keys=max_tracked)
+        self.by_prefix = BucketMap(per_hour_per_prefix / 3600.0, burst_per_prefix, max_keys=max_tracked)
 
     @classmethod
     def from_config(cls, cfg, *, shared_db=None) -> NewIdentityLimiter | SharedNewIdentityLimiter:
@@ -217,28 +119,26 @@ class NewIdentityLimiter:
                    prefix_v4=cfg.prefix_v4, prefix_v6=cfg.prefix_v6, exempt=cfg.exempt_networks,
                    max_tracked=cfg.max_tracked)
 
-    def levels(self, address: str) -> list[tuple[_HourlyBudget, str, str]]:
+    def levels(self, address: str) -> list[tuple[BucketMap, str, str]]:
         """The budgets a new key from ``address`` takes from: (budget, key, what it is), the address's then
         the prefix's, leaving out levels switched off and every level of an exempt network."""
-        ip = _ip(address)
+        ip = ip_of(address)
         if ip is not None and any(ip in net for net in self.exempt):
             return []
-        addr_key = UNPARSED if ip is None else str(ip)
-        prefix_key = prefix_of(address, v4=self.prefix_v4, v6=self.prefix_v6)
+        host, network = host_key(address), prefix_key(address, v4=self.prefix_v4, v6=self.prefix_v6)
         return [(budget, key, what) for budget, key, what in (
-            (self.by_address, addr_key, f"address {addr_key}"), (self.by_prefix, prefix_key, f"network {prefix_key}"))
+            (self.by_address, host, f"address {host}"), (self.by_prefix, network, f"network {network}"))
             if budget.rate > 0]
 
     def allow(self, address: str) -> tuple[Reason, str] | None:
         """None when a new key from ``address`` may register now (a token is taken); else the refusal and why."""
         levels = self.levels(address)
         now = self.clock()
-        held = [budget.tokens(key, now) for budget, key, _ in levels]
-        for (budget, _, what), tokens in zip(levels, held, strict=True):
-            if tokens < 1.0:
+        for budget, key, what in levels:
+            if (tokens := budget.level(key, now)) < 1.0:
                 return over_new_key_limit(what, budget.rate, budget.burst, tokens)
-        for (budget, key, _), tokens in zip(levels, held, strict=True):
-            budget.take(key, tokens, now)
+        for budget, key, _ in levels:
+            budget.spend(key, 1.0, now)
         return None
 
     async def take(self, address: str) -> tuple[Reason, str] | None:

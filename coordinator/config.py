@@ -43,8 +43,9 @@ class ServerConfig(_Section):
     timestamp_window_s: float = Field(60.0, description="max |server clock - request timestamp|; nonces are remembered for twice this")
     key_rate_per_s: float = Field(20.0, description="sustained requests per second allowed per node key")
     key_burst: float = Field(60.0, description="burst allowance per node key")
-    peer_rate_per_s: float = Field(2000.0, description="sustained requests per second per peer IP address")
-    peer_burst: float = Field(4000.0, description="burst allowance per peer IP address")
+    peer_rate_per_s: float = Field(2000.0, description="sustained requests per second per peer address "
+                                  "(an IPv4 address; an IPv6 /64)")
+    peer_burst: float = Field(4000.0, description="burst allowance per peer address (an IPv4 address; an IPv6 /64)")
     http_port: int = Field(DEFAULT_HTTP_PORT, description="HTTP port for /metrics, /healthz, the status API and the "
                            "dashboard (0 picks a free one at every start and writes it to DIR/ports.json)")
     idle_timeout_s: float = Field(30.0, gt=0, description="close a gRPC or HTTP connection that has had no request in "

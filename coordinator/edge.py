@@ -20,6 +20,7 @@ from veriroll.coordinator.store import Standing
 from veriroll.protos import errors as protos_errors
 from veriroll.protos.envelope import SignedHeaders, verify_signature
 from veriroll.protos.identity import public_key_problem
+from veriroll.protos.netaddr import address_key
 from veriroll.protos.reasons import Reason
 
 
@@ -139,7 +140,7 @@ class Door:
         from a key not yet registered); a banned key only for :data:`UNBANNED_METHODS`."""
         if self.edges is not None:
             self.edges.poll()
-        if not self.peer_limits.allow(peer):
+        if not self.peer_limits.allow(address_key(peer)):  # one party: its IPv4 address or its IPv6 /64
             raise Refusal(Reason.RATE_LIMITED, "too many requests from this address")
         # parse_headers already refused these; checked again (a cached lookup) so that no signature is
         # ever taken from a small-order or non-canonical key, however the headers were built.

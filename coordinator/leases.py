@@ -10,10 +10,9 @@ network, where every node is on probation, can start).
 
 from __future__ import annotations
 
+import math
 import random
 import secrets
-import time
-from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -24,6 +23,7 @@ from veriroll.coordinator.ledger import NodeInfo
 from veriroll.coordinator.metrics import CoordinatorMetrics
 from veriroll.coordinator.policy import PolicyState
 from veriroll.coordinator.prompts import PromptRenderer
+from veriroll.protos.ratelimit import BucketMap
 from veriroll.protos.v1 import coordinator_pb2 as pb
 
 BUDGETS_KEPT = 100_000
@@ -33,30 +33,6 @@ def random_seeds(n: int) -> list[int]:
     """``n`` independent uniform 64-bit sampling seeds from the OS CSPRNG (one read for all)."""
     raw = secrets.token_bytes(8 * n)
     return [int.from_bytes(raw[i:i + 8], "little") for i in range(0, 8 * n, 8)]
-
-
-class LeaseBudget:
-    """Leases a probation node may still be issued: ``burst`` at first, refilled at ``per_hour``; only
-    leases actually issued are taken, so waiting out backpressure costs a node nothing."""
-
-    def __init__(self, per_hour: float, burst: float, now: float | None = None):
-        self.rate = per_hour / 3600.0
-        self.burst = float(burst)
-        self.tokens = float(burst)
-        self.updated = time.monotonic() if now is None else now
-
-    def available(self, now: float | None = None) -> float:
-        now = time.monotonic() if now is None else now
-        self.tokens = min(self.burst, self.tokens + (now - self.updated) * self.rate)
-        self.updated = now
-        return self.tokens
-
-    def take(self, n: int) -> None:
-        self.tokens -= n
-
-    def ms_until_one(self) -> int:
-        missing = max(0.0, 1.0 - self.tokens)
-        return 1000 if self.rate <= 0 else max(1000, int(missing / self.rate * 1000))
 
 
 class LeaseStep(NamedTuple):
@@ -83,7 +59,10 @@ class LeaseDesk:
         self.clock = clock
         self.stop_token_ids = list(stop_token_ids)
         self.verify_budget = verify_budget
-        self._budgets: OrderedDict[str, LeaseBudget] = OrderedDict()
+        # Leases a probation node may still be issued: only leases actually issued are taken, so waiting
+        # out backpressure costs a node nothing.
+        self._budgets = BucketMap(cfg.leases.probation_leases_per_hour / 3600.0, cfg.leases.probation_lease_burst,
+                                  max_keys=BUDGETS_KEPT)
         drawn = db.run_sync(st.prompts_drawn)
         # The prompt stream resumes where it stopped: its state is the seed and the number of draws.
         # Several edge processes draw from one stream each: a salt keeps them from drawing the same prompts.
@@ -107,16 +86,6 @@ class LeaseDesk:
         """Draw the next prompt of the stream and store it as leased: its id, token ids and environment."""
         p = self._next_prompt()
         return st.insert_leased_prompt(conn, p.env, p.text, p.answer, p.meta, p.prompt_ids), p.prompt_ids, p.env
-
-    def _budget(self, node_id: str) -> LeaseBudget:
-        lc = self.cfg.leases
-        bucket = self._budgets.get(node_id)
-        if bucket is None:
-            bucket = self._budgets[node_id] = LeaseBudget(lc.probation_leases_per_hour, lc.probation_lease_burst)
-            while len(self._budgets) > BUDGETS_KEPT:
-                self._budgets.popitem(last=False)
-        self._budgets.move_to_end(node_id)
-        return bucket
 
     async def lease_work(self, node: NodeInfo, req: pb.LeaseRequest, *, peer: str = "unknown") -> pb.LeaseResponse:
         step = await self.plan(node, req, peer=peer)
@@ -144,11 +113,13 @@ class LeaseDesk:
             spent = await self.verify_budget.check(node.node_id, peer)
             if spent is not None:
                 return pb.LeaseResponse(retry_after_ms=5000, wait_reason="verify_budget")
-        budget = self._budget(node.node_id) if probation else None
+        budget = self._budgets.bucket(node.node_id) if probation else None
         if budget is not None:
-            wanted = min(wanted, int(budget.available()))
+            wanted = min(wanted, int(budget.level()))
             if wanted <= 0:
-                return pb.LeaseResponse(retry_after_ms=budget.ms_until_one(), wait_reason="probation_budget")
+                wait_s = budget.seconds_until(1.0)
+                retry_ms = 1000 if math.isinf(wait_s) else max(1000, int(wait_s * 1000))
+                return pb.LeaseResponse(retry_after_ms=retry_ms, wait_reason="probation_budget")
         deadline = now + int(lc.ttl_s * 1000)
         # Everything that needs no state is drawn here, so the serialized writer only reads and writes.
         fresh = [(secrets.token_hex(12), random_seeds(lc.group_size)) for _ in range(wanted)]
@@ -199,7 +170,7 @@ class LeaseDesk:
         def answer(result) -> pb.LeaseResponse:
             issued, expired, wait = result
             if budget is not None:
-                budget.take(len(issued))
+                budget.spend(len(issued))
             leases = [pb.Lease(lease_id=lease_id, prompt_ids=ids, group_size=lc.group_size, temperature=lc.temperature,
                                max_new_tokens=lc.max_new_tokens, seeds=seeds, policy_version=lease_version,
                                deadline_ms=deadline, stop_token_ids=self.stop_token_ids, environment=env)

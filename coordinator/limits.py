@@ -1,9 +1,8 @@
 """Per-address limits on the coordinator's listening sockets, the process's descriptor budget, and handing
 freed memory back to the OS.
 
-An address is keyed as the network hands one party its addresses: an IPv4 address as it is, an IPv6
-address by its /64 (one subscriber is usually given a whole /64, so keying by the full address would
-let one party appear as 2^64 peers). An IPv4-mapped IPv6 address counts as its IPv4 address.
+An address is keyed as the network hands one party its addresses (``protos.netaddr.address_key``): an
+IPv4 address as it is, an IPv6 address by its /64, an IPv4-mapped IPv6 address as its IPv4 address.
 """
 
 from __future__ import annotations
@@ -13,32 +12,13 @@ import ctypes
 import ctypes.util
 import functools
 import gc
-import ipaddress
 import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from veriroll.protos.netaddr import address_key
+
 log = logging.getLogger("veriroll.coordinator.limits")
-
-IPV6_PREFIX = 64
-
-
-@functools.lru_cache(maxsize=65536)
-def address_key(address: str) -> str:
-    """The key one party's requests are counted under: the IPv4 address, or the IPv6 /64 it lies in.
-
-    Anything that is not an IP address (``"unknown"``, a Unix socket path) is its own key. Cached: every
-    request takes and frees its address's slot, and parsing the address twice was ~2% of the event loop.
-    """
-    try:
-        ip = ipaddress.ip_address(address.split("%", 1)[0])  # drop an IPv6 zone id ("fe80::1%eth0")
-    except ValueError:
-        return address
-    if ip.version == 4:
-        return str(ip)
-    if ip.ipv4_mapped is not None:
-        return str(ip.ipv4_mapped)
-    return str(ipaddress.ip_network(f"{ip}/{IPV6_PREFIX}", strict=False))
 
 
 class PeerGate:

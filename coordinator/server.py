@@ -16,9 +16,9 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from veriroll.coordinator.admission import peer_address
 from veriroll.coordinator.service import CoordinatorService, Refusal
 from veriroll.protos.envelope import REASON_TRAILER
+from veriroll.protos.netaddr import peer_address
 from veriroll.protos.service import METHODS, SERVICE, full_method
 
 log = logging.getLogger("veriroll.coordinator.server")

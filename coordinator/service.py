@@ -34,7 +34,7 @@ from veriroll.coordinator.intake import (
 )
 from veriroll.coordinator.leases import LeaseDesk, LeaseStep, random_seeds
 from veriroll.coordinator.ledger import Ledger, NodeInfo
-from veriroll.coordinator.limits import PeerGate, address_key
+from veriroll.coordinator.limits import PeerGate
 from veriroll.coordinator.metrics import CoordinatorMetrics
 from veriroll.coordinator.policy import PolicyState
 from veriroll.coordinator.prompts import PromptRenderer
@@ -43,6 +43,7 @@ from veriroll.coordinator.verify_budget import VerifierBudget
 from veriroll.protos.bounds import field_problem
 from veriroll.protos.envelope import EnvelopeError, SignedHeaders, parse_headers
 from veriroll.protos.identity import PublicKey, public_key_problem
+from veriroll.protos.netaddr import address_key
 from veriroll.protos.reasons import Reason
 from veriroll.protos.service import METHODS, UPGRADE_COMMAND, full_method
 from veriroll.protos.v1 import coordinator_pb2 as pb

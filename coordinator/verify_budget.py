@@ -19,27 +19,17 @@ from __future__ import annotations
 
 import math
 import time
-from collections import OrderedDict
 from collections.abc import Callable
 
 from veriroll.coordinator import store as st
-from veriroll.coordinator.admission import prefix_of
 from veriroll.coordinator.intake import Rejection
+from veriroll.protos.netaddr import host_key, prefix_key
+from veriroll.protos.ratelimit import BucketMap
 from veriroll.protos.reasons import Reason
 
 MAX_KEYS = 65_536
 """Buckets kept per scope. The least recently used goes first: having waited longest, it is the most
 likely to be full again, and a full bucket carries nothing a new one would not."""
-
-
-def network_prefix(address: str) -> str:
-    """The /24 of an IPv4 address, the /64 of an IPv6 one (an IPv4-mapped IPv6 address counts as its
-    IPv4); anything that is not an IP address (``unknown``, a Unix socket) is its own prefix.
-
-    One subscriber or one cloud tenant usually holds a whole IPv6 /64 and often several addresses of
-    one IPv4 /24, so new addresses there are cheap for an attacker; the prefix bounds them together.
-    """
-    return prefix_of(address, unparsed=None)
 
 
 def budget_scopes(per_identity: float, per_address: float, per_prefix: float) -> list[tuple[str, float, Callable]]:
@@ -48,9 +38,13 @@ def budget_scopes(per_identity: float, per_address: float, per_prefix: float) ->
     for name, value in (("per_identity", per_identity), ("per_address", per_address), ("per_prefix", per_prefix)):
         if not (math.isfinite(value) and value >= 0):
             raise ValueError(f"{name} must be a finite number of seconds >= 0, got {value!r}")
+    # The address is its host (an IPv4-mapped IPv6 address is its IPv4); the network its /24 or /64: one
+    # subscriber or one cloud tenant usually holds a whole IPv6 /64 and often several addresses of one
+    # IPv4 /24, so new addresses there are cheap for an attacker. An address that is not an IP counts as
+    # netaddr.UNPARSED at both levels.
     scopes = (("node key", per_identity, lambda node_id, address: node_id),
-              ("address", per_address, lambda node_id, address: address),
-              ("network", per_prefix, lambda node_id, address: network_prefix(address)))
+              ("address", per_address, lambda node_id, address: host_key(address)),
+              ("network", per_prefix, lambda node_id, address: prefix_key(address)))
     return [scope for scope in scopes if scope[1] > 0]
 
 
@@ -59,30 +53,6 @@ def out_of_time(scope: str, key: str, per_minute: float, left: float) -> Rejecti
     wait = max(1, math.ceil(-left / (per_minute / 60.0)))
     return Rejection(Reason.RATE_LIMITED, f"this {scope} ({key[:64]}) has used its {per_minute:g} s "
                                           f"of verifier time per minute; retry in {wait} s")
-
-
-class _Buckets:
-    """Token buckets of one scope, in verifier seconds, keyed by a string; at most ``max_keys`` kept."""
-
-    def __init__(self, per_minute: float, max_keys: int):
-        self.capacity = per_minute
-        self.rate = per_minute / 60.0
-        self.max_keys = max_keys
-        self._levels: OrderedDict[str, tuple[float, float]] = OrderedDict()  # key -> (seconds left, as of)
-
-    def level(self, key: str, now: float) -> float:
-        """Seconds left in ``key``'s bucket at ``now`` (negative: in debt); a key never seen has a full one."""
-        left, since = self._levels.get(key, (self.capacity, now))
-        return min(self.capacity, left + max(0.0, now - since) * self.rate)
-
-    def take(self, key: str, seconds: float, now: float) -> None:
-        self._levels[key] = (self.level(key, now) - seconds, now)
-        self._levels.move_to_end(key)
-        while len(self._levels) > self.max_keys:
-            self._levels.popitem(last=False)
-
-    def __len__(self) -> int:
-        return len(self._levels)
 
 
 class VerifierBudget:
@@ -94,7 +64,8 @@ class VerifierBudget:
     def __init__(self, per_identity: float, per_address: float, per_prefix: float, *, max_keys: int = MAX_KEYS,
                  clock: Callable[[], float] = time.monotonic):
         self.clock = clock
-        self._scopes = [(name, _Buckets(limit, max_keys), key_of) for name, limit, key_of
+        # One minute's allowance per bucket, refilled over a minute.
+        self._scopes = [(name, BucketMap(limit / 60.0, limit, max_keys=max_keys), key_of) for name, limit, key_of
                         in budget_scopes(per_identity, per_address, per_prefix)]
 
     @classmethod
@@ -119,7 +90,7 @@ class VerifierBudget:
             key = key_of(node_id, address)
             left = buckets.level(key, now)
             if left <= 0:
-                return out_of_time(name, key, buckets.capacity, left)
+                return out_of_time(name, key, buckets.burst, left)
         return None
 
     def charge(self, node_id: str, address: str, seconds: float) -> None:
@@ -128,7 +99,7 @@ class VerifierBudget:
             return
         now = self.clock()
         for _, buckets, key_of in self._scopes:
-            buckets.take(key_of(node_id, address), seconds, now)
+            buckets.spend(key_of(node_id, address), seconds, now)
 
     async def check(self, node_id: str, address: str) -> Rejection | None:
         """:meth:`reserve`, with the signature of :meth:`SharedVerifierBudget.check`."""

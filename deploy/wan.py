@@ -35,6 +35,7 @@ import signal
 import time
 from dataclasses import dataclass, field
 
+from veriroll.protos.ratelimit import TokenBucket
 from veriroll.protos.signals import then_release_signals
 
 CHUNK = 64 * 1024  # bytes read at a time: 5 ms at 100 Mbit/s, so the delay and the rate stay smooth
@@ -77,29 +78,20 @@ def parse_profile(text: str) -> Profile:
     return Profile(values.get("rtt", 0.0), rate.get("down"), rate.get("up"), values.get("loss", 0.0))
 
 
-class TokenBucket:
-    """Bytes per second, shared by everyone who takes from it; ``None`` rate never waits.
+def line_bucket(rate: float | None) -> TokenBucket | None:
+    """The bucket of one way of a line carrying ``rate`` bytes per second (None: unlimited, no bucket).
 
-    A taker goes into debt and sleeps it off, so concurrent takers queue in the order they asked and
-    together get the rate, never more. The burst (50 ms of the rate, at least one chunk) keeps a
-    link that was idle from sending a second's worth at once.
-    """
+    Its burst (50 ms of the rate, at least one chunk) keeps a line that was idle from sending a second's
+    worth at once."""
+    return None if rate is None else TokenBucket(rate, max(CHUNK, rate * 0.05))
 
-    def __init__(self, rate: float | None):
-        self.rate = rate
-        self.burst = max(CHUNK, (rate or 0) * 0.05)
-        self.tokens = self.burst
-        self.stamp = time.monotonic()
 
-    async def take(self, n: int) -> None:
-        if self.rate is None:
-            return
-        now = time.monotonic()
-        self.tokens = min(self.burst, self.tokens + (now - self.stamp) * self.rate)
-        self.stamp = now
-        self.tokens -= n
-        if self.tokens < 0:
-            await asyncio.sleep(-self.tokens / self.rate)
+async def pace(bucket: TokenBucket, n: int) -> None:
+    """Send ``n`` bytes through ``bucket``, shared by everyone on that line: the taker goes into debt and
+    sleeps it off, so concurrent takers queue in the order they asked and together get the rate, never more."""
+    left = bucket.spend(n)
+    if left < 0:
+        await asyncio.sleep(-left / bucket.rate)
 
 
 class Link:
@@ -107,8 +99,8 @@ class Link:
 
     def __init__(self, profile: Profile):
         self.profile = profile
-        self.down = TokenBucket(profile.down_bps)
-        self.up = TokenBucket(profile.up_bps)
+        self.down = line_bucket(profile.down_bps)
+        self.up = line_bucket(profile.up_bps)
         self.one_way_s = profile.rtt_s / 2
 
 
@@ -187,8 +179,9 @@ class WanProxy:
         try:
             server_reader, server_writer = await asyncio.wait_for(asyncio.open_connection(*route.target), 10)
             self._writers.add(server_writer)
-            up = [link.up for link in (route.client,) if link] + [link.down for link in (route.server,) if link]
-            down = [link.up for link in (route.server,) if link] + [link.down for link in (route.client,) if link]
+            client, server = route.client, route.server
+            up = [b for b in (client and client.up, server and server.down) if b is not None]
+            down = [b for b in (server and server.up, client and client.down) if b is not None]
             delay = sum(link.one_way_s for link in (route.client, route.server) if link)
             loss = max((link.profile.loss for link in (route.client, route.server) if link), default=0.0)
             pumps = [self._spawn(self._pump(client_reader, server_writer, up, delay, loss, route, "bytes_to_server")),
@@ -236,7 +229,7 @@ class WanProxy:
         try:
             while not failed and (chunk := await reader.read(CHUNK)):
                 for bucket in buckets:
-                    await bucket.take(len(chunk))
+                    await pace(bucket, len(chunk))
                 if loss and self.random.random() < 1 - (1 - loss) ** (len(chunk) / 2**20):
                     raise _Dropped()
                 await queue.put((time.monotonic() + delay, chunk))

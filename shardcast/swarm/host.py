@@ -45,6 +45,8 @@ from libp2p.relay.circuit_v2 import CircuitV2Protocol, CircuitV2Transport, Relay
 from libp2p.relay.circuit_v2.config import RelayConfig, RelayRole
 from libp2p.tools.anyio_service import background_trio_service
 
+from veriroll.protos.ratelimit import BucketMap
+
 from ..manifest import Manifest, manifest_sha256
 from .errors import (
     BadPeerError,
@@ -75,7 +77,7 @@ STOP_TIMEOUT_S = 5.0
 # What a relaying swarm gives the peers behind NAT: circuits of an hour and 4 GiB at most (a few versions),
 # 64 at once, 128 reservations.
 RELAY_LIMITS = RelayLimits(duration=3600, data=4 << 30, max_circuit_conns=64, max_reservations=128)
-MAX_TRACKED_PEERS = 4096  # rate-limit buckets kept before idle ones are dropped
+MAX_TRACKED_PEERS = 4096  # rate-limit buckets kept; past it, the peer quiet the longest is forgotten
 
 
 @dataclass(frozen=True)
@@ -85,12 +87,6 @@ class BadPeer:
     peer_id: str
     reason: Refusal
     detail: str
-
-
-@dataclass
-class _Bucket:
-    tokens: float
-    last: float
 
 
 def _read_range(path: Path, offset: int, size: int) -> bytes:
@@ -132,7 +128,9 @@ class Swarm:
         self._announced: dict[str, PeerHint] = {}
         self._banned: set[str] = set()
         self._open: Counter[str] = Counter()
-        self._buckets: dict[str, _Bucket] = {}
+        # Streams a peer may still open; many peer ids (keys are free) push out those gone quiet longest.
+        self._buckets = BucketMap(self.limits.stream_rate_per_peer, self.limits.stream_burst_per_peer,
+                                  max_keys=MAX_TRACKED_PEERS)
         self._slots: dict[str, trio.Semaphore] = {}  # as a client, no more streams to one peer than it allows us
         self._thread: threading.Thread | None = None
         self._token: trio.lowlevel.TrioToken | None = None
@@ -444,24 +442,17 @@ class Swarm:
 
     def _admit(self, peer: str) -> Status | None:
         """None when ``peer`` may open this stream, else the status to refuse it with (and it is counted)."""
-        limits = self.limits
-        if len(self._buckets) > MAX_TRACKED_PEERS:  # many peer ids (keys are free): forget those gone quiet,
-            now = trio.current_time()  # whose buckets have refilled (dropping one forgives nothing)
-            refill_s = limits.stream_burst_per_peer / limits.stream_rate_per_peer
-            self._buckets = {p: b for p, b in self._buckets.items() if now - b.last < refill_s}
         if peer in self._banned:
             refusal, status = Refusal.BANNED, Status.BANNED
         else:
             now = trio.current_time()
-            bucket = self._buckets.setdefault(peer, _Bucket(float(limits.stream_burst_per_peer), now))
-            bucket.tokens = min(limits.stream_burst_per_peer, bucket.tokens + (now - bucket.last) * limits.stream_rate_per_peer)
-            bucket.last = now
-            if bucket.tokens < 1:
+            bucket = self._buckets.bucket(peer, now)
+            if bucket.level(now) < 1:
                 refusal, status = Refusal.RATE_LIMITED, Status.RATE_LIMITED
-            elif self._open[peer] >= limits.max_streams_per_peer:
+            elif self._open[peer] >= self.limits.max_streams_per_peer:
                 refusal, status = Refusal.BUSY, Status.BUSY
             else:
-                bucket.tokens -= 1
+                bucket.take(1.0, now)
                 return None
         self.refusals[refusal] += 1
         return status

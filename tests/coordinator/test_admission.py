@@ -3,21 +3,12 @@
 from __future__ import annotations
 
 import asyncio
-import socket
 import time
 
-import grpc
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from veriroll.coordinator.admission import (
-    UNPARSED,
-    NewIdentityLimiter,
-    RateLimiter,
-    check_register_pow,
-    peer_address,
-    prefix_of,
-)
+from veriroll.coordinator.admission import NewIdentityLimiter, RateLimiter, check_register_pow
 from veriroll.coordinator.config import CoordinatorConfig
 from veriroll.protos.envelope import parse_headers, sign_request
 from veriroll.protos.identity import PrivateKey
@@ -27,79 +18,6 @@ from veriroll.protos.service import full_method
 from veriroll.protos.v1 import coordinator_pb2 as pb
 
 HOUR = 3600.0
-
-# --- addresses and prefixes ------------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("address, prefix", [
-    ("203.0.113.7", "203.0.113.0/24"),
-    ("2001:db8:1:2:3:4:5:6", "2001:db8:1:2::/64"),
-    ("::ffff:203.0.113.7", "203.0.113.0/24"),  # IPv4-mapped IPv6 (a dual-stack listener) is its IPv4
-    ("fe80::1%eth0", "fe80::/64"),
-    (" 203.0.113.7 ", "203.0.113.0/24"),
-])
-def test_prefix_of_names_the_network_an_address_belongs_to(address, prefix):
-    assert prefix_of(address) == prefix
-
-
-def test_prefix_lengths_are_configurable():
-    assert prefix_of("203.0.113.7", v4=16) == "203.0.0.0/16"
-    assert prefix_of("2001:db8:1:2::9", v6=48) == "2001:db8:1::/48"
-
-
-@pytest.mark.parametrize("garbage", ["unknown", "", "unix:/tmp/coordinator.sock", "1.2.3", "::g", "999.1.1.1"])
-def test_anything_that_is_not_an_ip_shares_one_network(garbage):
-    assert prefix_of(garbage) == UNPARSED
-
-
-@pytest.mark.parametrize("peer, address", [
-    ("ipv4:203.0.113.7:5432", "203.0.113.7"),
-    ("ipv6:%5B2001:db8::1%5D:5432", "2001:db8::1"),  # how gRPC writes an IPv6 peer
-    ("ipv6:[::1]:5432", "::1"),
-    (None, "unknown"),
-    ("", "unknown"),
-])
-def test_peer_address_strips_the_port_and_brackets(peer, address):
-    assert peer_address(peer) == address
-
-
-def _ipv6_loopback() -> bool:
-    try:
-        with socket.socket(socket.AF_INET6) as s:
-            s.bind(("::1", 0))
-    except OSError:
-        return False
-    return True
-
-
-@pytest.mark.skipif(not _ipv6_loopback(), reason="no IPv6 loopback here")
-def test_the_address_of_a_real_ipv6_grpc_peer_parses():
-    async def main() -> str:
-        seen = []
-
-        async def echo(body, context):
-            seen.append(context.peer())
-            return body
-
-        class Handler(grpc.GenericRpcHandler):
-            def service(self, details):
-                return grpc.unary_unary_rpc_method_handler(echo)
-
-        server = grpc.aio.server()
-        server.add_generic_rpc_handlers((Handler(),))
-        port = server.add_insecure_port("[::1]:0")
-        await server.start()
-        try:
-            async with grpc.aio.insecure_channel(f"[::1]:{port}") as channel:
-                await channel.unary_unary("/test/Echo")(b"x", timeout=30)
-        finally:
-            await server.stop(0)
-        return seen[0]
-
-    peer = asyncio.run(main())
-    assert peer_address(peer) == "::1", peer
-    assert prefix_of(peer_address(peer)) == "::/64"
-
 
 # --- the limiter -----------------------------------------------------------------------------------------
 

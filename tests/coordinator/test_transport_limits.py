@@ -29,7 +29,7 @@ import pytest
 from support import channel_to, make_coordinator_dir, node_client, running_coordinator
 
 from veriroll.coordinator import store as st
-from veriroll.coordinator.limits import DescriptorBudget, PeerGate, address_key, release_freed_memory
+from veriroll.coordinator.limits import DescriptorBudget, PeerGate, release_freed_memory
 from veriroll.coordinator.server import TRANSPORT_MARGIN_BYTES
 from veriroll.protos.service import CallError, full_method
 from veriroll.protos.v1 import coordinator_pb2 as pb
@@ -77,15 +77,6 @@ async def closed_by_server(reader: asyncio.StreamReader, writer: asyncio.StreamW
 
 
 # --- addresses and the gate ------------------------------------------------------------------------------
-
-
-def test_ipv4_is_keyed_by_address_and_ipv6_by_its_64():
-    assert address_key("192.0.2.7") == "192.0.2.7"
-    assert address_key("2001:db8:1:2:aaaa::1") == address_key("2001:db8:1:2:ffff::9") == "2001:db8:1:2::/64"
-    assert address_key("2001:db8:1:3::1") != address_key("2001:db8:1:2::1")
-    assert address_key("::ffff:192.0.2.7") == "192.0.2.7"
-    assert address_key("fe80::1%eth0") == "fe80::/64"
-    assert address_key("unknown") == "unknown"
 
 
 def test_gate_refuses_over_the_limit_per_address_counts_and_forgets():

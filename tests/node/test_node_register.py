@@ -16,13 +16,14 @@ import time
 import grpc
 import pytest
 
-from veriroll.coordinator.admission import NewIdentityLimiter, check_register_pow, peer_address
+from veriroll.coordinator.admission import NewIdentityLimiter, check_register_pow
 from veriroll.node.agent import HEARTBEAT_LOG_EVERY_S, Backoff, HeartbeatFailures, NodeAgent, Stopped
 from veriroll.node.config import NodeConfig
 from veriroll.node.hardware import Hardware
 from veriroll.node.weights import LocalVersions
 from veriroll.protos.envelope import REASON_TRAILER, parse_headers, verify_signature
 from veriroll.protos.identity import PrivateKey
+from veriroll.protos.netaddr import peer_address
 from veriroll.protos.pow import Challenge
 from veriroll.protos.reasons import Reason
 from veriroll.protos.service import CallError, full_method, secure_channel

@@ -26,7 +26,7 @@ from veriroll.shardcast.swarm.errors import (
     SwarmNotRunningError,
 )
 from veriroll.shardcast.swarm.hints import PeerHint, PeerHints, sign_peer_hints, verify_peer_hints
-from veriroll.shardcast.swarm.host import Swarm
+from veriroll.shardcast.swarm.host import MAX_TRACKED_PEERS, Swarm
 from veriroll.shardcast.swarm.wire import Refusal, SwarmLimits
 
 pytestmark = pytest.mark.timeout(120)
@@ -159,6 +159,22 @@ def test_a_peer_that_stalls_mid_stream_is_dropped_and_the_shard_fetched_elsewher
     assert same_tree(checkpoint, tmp_path / "out")
     assert result.shards_from_peers == 0 and result.bad_peers == [] and stalls >= 1
     assert any(i.relay == staller_id and i.kind == Refusal.STALLED for i in result.failures)
+
+
+def test_stream_budgets_of_many_peer_ids_stay_bounded_and_a_flooder_stays_refused():
+    swarm = Swarm(listen=LOOPBACK, limits=SwarmLimits(stream_rate_per_peer=0.001, stream_burst_per_peer=2))
+
+    async def go():
+        admitted = [swarm._admit("flooder") is None for _ in range(3)]
+        for i in range(3 * MAX_TRACKED_PEERS):  # peer ids are free: many, each opening one stream
+            assert swarm._admit(f"peer-{i}") is None
+            if i % 100 == 0:  # the flooder keeps at it, so its empty bucket is never the one forgotten
+                assert swarm._admit("flooder") is not None
+        return admitted
+
+    assert trio.run(go) == [True, True, False]
+    assert len(swarm._buckets) == MAX_TRACKED_PEERS
+    assert swarm.refusals[Refusal.RATE_LIMITED] == 1 + 3 * MAX_TRACKED_PEERS // 100 + 1
 
 
 def test_a_flood_of_stream_openings_from_one_peer_is_refused_and_counted(store, coord_key):
