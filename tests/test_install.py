@@ -174,12 +174,17 @@ def test_readme_has_a_line_per_machine_and_each_pins_the_tested_torch():
     assert [r for r in PYPROJECT["project"]["dependencies"] if r.startswith("torch")] == [f"torch=={TORCH_PIN}"]
 
 
-def test_setup_script_installs_the_cpu_build_of_the_pinned_torch():
+def test_setup_script_installs_the_lock_and_the_lock_holds_the_cpu_build_of_the_pinned_torch():
+    from veriroll.deploy import lock
+
     setup = (ROOT / "scripts" / "setup.sh").read_text()
-    assert TORCH_PIN not in setup, "scripts/setup.sh must read the torch pin from pyproject.toml, not repeat it"
-    read_pin = re.search(r"^\s*torch_version=\$\((.*)\)$", setup, re.MULTILINE).group(1)
-    pin = subprocess.run(["bash", "-c", read_pin], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
-    assert pin == TORCH_PIN and "+cpu" in setup
+    assert TORCH_PIN not in setup, "scripts/setup.sh installs the lock; the torch pin lives in pyproject.toml alone"
+    install = re.search(r"^\s*install=\((.*)\)$", setup, re.MULTILINE).group(1)
+    # Exactly the lock's files, nothing resolved: a fresh clone gets what the tests ran with.
+    assert "--require-hashes" in install and "--no-deps" in install
+    assert '-r "${locks[0]}" -r "${locks[1]}"' in install
+    assert 'locks=(requirements/dev-cpu.txt requirements/test-model.txt)' in setup
+    assert lock.read_pins(lock.DEV_LOCK)["torch"] == f"{TORCH_PIN}+cpu"
 
 
 def test_wheel_ships_every_deploy_file_and_the_dashboard(wheel):
