@@ -2,7 +2,7 @@
 
 - :func:`publish_checkpoint` (``publish.py``): split a checkpoint into shards, sign the manifest, store it.
 - :class:`RelayServer` (``relay.py``): serve a store (origin) or mirror upstream relays.
-- :func:`fetch_version` / :func:`fetch_version_sync` (``fetch.py``): get a version, every byte verified.
+- :func:`fetch_version` / :func:`fetch_version_sync` (``fetch/``): get a version, every byte verified.
 - ``delta.py``: versions as lossless deltas against the version before (XOR + zstd, per shard).
 - ``manifest.py``: the pure manifest format; ``errors.py``: the failures, as types.
 """
