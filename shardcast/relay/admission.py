@@ -85,9 +85,7 @@ def _listening_sockets(host: str, port: int, backlog: int) -> list[socket.socket
 
 
 class _Admission:
-    """Connections and transfer slots: who is let in, and the books that count them by source."""
-
-    _by_address: dict[str, list[asyncio.BaseTransport]]
+    """Who is let in at accept, the books that count connections by source, and refusals, counted."""
 
     def _admit(self, source: str) -> Refusal | None:
         """Whether a new connection from ``source`` fits the limits (None) or why not."""
