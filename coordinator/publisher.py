@@ -16,7 +16,7 @@ from veriroll.coordinator import store as st
 from veriroll.protos.config import resolve_path
 from veriroll.protos.identity import PrivateKey
 from veriroll.shardcast.publish import publish_checkpoint
-from veriroll.shardcast.relay import RelayServer
+from veriroll.shardcast.relay import RelayConfig, RelayServer
 from veriroll.shardcast.store import list_versions
 
 log = logging.getLogger("veriroll.coordinator.publisher")
@@ -32,10 +32,10 @@ async def start_publisher(coord, key: PrivateKey) -> None:
     budget = coord.descriptors
     shares = {} if budget is None else {"max_connections": budget.origin_connections,
                                         "max_transfers": budget.origin_transfers}
-    relay = RelayServer(store, key.public, host=coord.cfg.server.host, port=cfg.origin_port, keep=cfg.keep_versions,
-                        **shares,
-                        max_transfers_per_address=cfg.max_transfers_per_address or None,
-                        max_connections_per_address=cfg.max_connections_per_address or None)
+    relay = RelayServer(store, key.public, RelayConfig(
+        host=coord.cfg.server.host, port=cfg.origin_port, keep=cfg.keep_versions, **shares,
+        max_transfers_per_address=cfg.max_transfers_per_address or None,
+        max_connections_per_address=cfg.max_connections_per_address or None))
     await relay.start()
     coord.origin_url = cfg.origin_url or relay.url
     coord.closers.append(relay.stop)

@@ -1,8 +1,9 @@
 """Signed, sharded checkpoint broadcast through a tree of untrusted HTTP relays.
 
 - :func:`publish_checkpoint` (``publish.py``): split a checkpoint into shards, sign the manifest, store it.
-- :class:`RelayServer` (``relay.py``): serve a store (origin) or mirror upstream relays.
-- :func:`fetch_version` / :func:`fetch_version_sync` (``fetch.py``): get a version, every byte verified.
+- :class:`RelayServer` (``relay/``): serve a store (origin) or mirror upstream relays, as its
+  :class:`RelayConfig` says.
+- :func:`fetch_version` / :func:`fetch_version_sync` (``fetch/``): get a version, every byte verified.
 - ``delta.py``: versions as lossless deltas against the version before (XOR + zstd, per shard).
 - ``manifest.py``: the pure manifest format; ``errors.py``: the failures, as types.
 """
@@ -23,7 +24,7 @@ from .errors import (
 from .fetch import FetchResult, RelayIncident, RelayStats, fetch_version, fetch_version_sync
 from .manifest import Manifest, verify_manifest
 from .publish import PublishResult, publish_checkpoint
-from .relay import RelayServer, serve_relay
+from .relay import RelayConfig, RelayServer, serve_relay
 
 __all__ = [
     "DeltaError",
@@ -37,6 +38,7 @@ __all__ = [
     "PublishError",
     "PublishResult",
     "RelayIncident",
+    "RelayConfig",
     "RelayServer",
     "RelayStats",
     "ShardUnavailableError",

@@ -137,17 +137,6 @@ def cmd_fetch(args: argparse.Namespace) -> int:
     return 0
 
 
-def _count_or_off(text: str) -> int | None:
-    """A per-address limit: a count, or 0 for none (behind a proxy, every client has the proxy's address)."""
-    try:
-        n = int(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(f"not a count: {text!r}") from exc
-    if n < 0:
-        raise argparse.ArgumentTypeError(f"a limit is 0 (none) or more, got {n}")
-    return n or None
-
-
 async def _relay_with_circuits(listen: str, serve) -> None:
     """``serve()`` (the HTTP relay, until a signal) beside a libp2p swarm that carries circuits for nodes
     with no inbound port (circuit relay v2): they reserve a slot on it (node config ``swarm_relays``)."""
@@ -165,28 +154,18 @@ async def _relay_with_circuits(listen: str, serve) -> None:
 
 
 def cmd_relay_run(args: argparse.Namespace) -> int:
+    try:
+        config = relay.relay_config_from_args(args, port=args.port)
+    except relay.RelayConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
     def serve():
-        return relay.serve_relay(
-            args.store,
-            args.coordinator_key,
-            upstreams=args.upstream,
-            fallbacks=args.fallback_upstream,
-            fallback_after=args.fallback_after,
-            host=args.host,
-            port=args.port,
-            keep=args.keep,
-            poll_interval=args.poll_interval,
-            idle_timeout=args.idle_timeout,
-            max_connections=args.max_connections,
-            max_connections_per_address=args.max_connections_per_address,
-            max_transfers=args.max_transfers,
-            max_transfers_per_address=args.max_transfers_per_address,
-            stream_wait=args.stream_wait,
-        )
+        return relay.serve_relay(args.store, args.coordinator_key, config)
 
     raise_descriptor_limit()  # before the relay fits max_connections to the limit (systemd's soft 1,024)
     try:
-        main = _relay_with_circuits(args.swarm_listen, serve) if args.swarm_listen else serve()
+        main = _relay_with_circuits(config.swarm_listen, serve) if config.swarm_listen else serve()
         asyncio.run(then_release_signals(main))  # once serving is over, one more signal leaves at once
     except ImportError as exc:
         print(f"error: --swarm-listen needs libp2p: pip install 'veriroll[swarm]' ({exc})", file=sys.stderr)
@@ -238,64 +217,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     run.add_argument(
         "--coordinator-key", required=True, metavar="KEY.pub", help="coordinator public key file"
     )
-    run.add_argument(
-        "--upstream", action="append", default=[], metavar="URL", help="relay to mirror (repeatable)"
-    )
-    run.add_argument(
-        "--fallback-upstream", action="append", default=[], metavar="URL",
-        help="relay to mirror a version from only when no --upstream has listed it for --fallback-after "
-        "seconds while this one has: an upstream that stopped answering or fell behind (repeatable; e.g. the origin)",
-    )  # fmt: skip
-    run.add_argument("--fallback-after", type=float, default=relay.DEFAULT_FALLBACK_AFTER,
-                     help=f"seconds (default {relay.DEFAULT_FALLBACK_AFTER:g})")
-    run.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
-    run.add_argument("--swarm-listen", default="", metavar="MULTIADDR",
-                     help="also carry libp2p circuits for nodes with no inbound port, listening here "
-                     "(e.g. /ip4/0.0.0.0/tcp/8491; needs veriroll[swarm])")
-    run.add_argument("--keep", type=int, default=3, help="versions to mirror and keep (default 3)")
-    run.add_argument("--poll-interval", type=float, default=5.0, help="seconds between upstream polls")
-    run.add_argument(
-        "--idle-timeout",
-        type=float,
-        default=relay.DEFAULT_IDLE_TIMEOUT,
-        help="close a connection that has sent no complete request head for this long, idle or slow "
-        f"(default {relay.DEFAULT_IDLE_TIMEOUT:g} s)",
-    )
-    run.add_argument(
-        "--max-connections",
-        type=int,
-        default=relay.DEFAULT_MAX_CONNECTIONS,
-        help=f"open connections in all (default {relay.DEFAULT_MAX_CONNECTIONS})",
-    )
-    run.add_argument(
-        "--max-connections-per-address",
-        type=_count_or_off,
-        default=relay.DEFAULT_MAX_CONNECTIONS_PER_ADDRESS,
-        metavar="N",
-        help="open connections from one IPv4 address or IPv6 /64; 0: no limit "
-        f"(default {relay.DEFAULT_MAX_CONNECTIONS_PER_ADDRESS})",
-    )
-    run.add_argument(
-        "--max-transfers",
-        type=int,
-        default=relay.DEFAULT_MAX_TRANSFERS,
-        help=f"file downloads at once, in all (default {relay.DEFAULT_MAX_TRANSFERS})",
-    )
-    run.add_argument(
-        "--max-transfers-per-address",
-        type=_count_or_off,
-        default=relay.DEFAULT_MAX_TRANSFERS_PER_ADDRESS,
-        metavar="N",
-        help="file downloads at once from one IPv4 address or IPv6 /64; 0: no limit "
-        f"(default {relay.DEFAULT_MAX_TRANSFERS_PER_ADDRESS})",
-    )
-    run.add_argument(
-        "--stream-wait",
-        type=float,
-        default=relay.DEFAULT_STREAM_WAIT,
-        help="while mirroring, how long a request for bytes not verified yet waits before a 503 "
-        f"(default {relay.DEFAULT_STREAM_WAIT:g} s)",
-    )
+    relay.add_relay_flags(run)  # every other flag: one per RelayConfig field (shardcast/relay/config.py)
     run.set_defaults(func=cmd_relay_run)
 
 

@@ -23,7 +23,6 @@ from shardcast_helpers import (
     same_tree,
 )
 
-from veriroll.shardcast import fetch as fetch_mod
 from veriroll.shardcast.errors import (
     DiskFullError,
     ManifestError,
@@ -35,6 +34,7 @@ from veriroll.shardcast.errors import (
     WrongVersionError,
 )
 from veriroll.shardcast.fetch import JOURNAL_NAME, PARTIAL_SUFFIX, fetch_version, fetch_version_sync
+from veriroll.shardcast.fetch import disk as fetch_disk  # the seams where bytes touch the disk
 from veriroll.shardcast.manifest import verify_manifest
 from veriroll.shardcast.publish import publish_checkpoint
 from veriroll.shardcast.relay import RelayServer
@@ -320,7 +320,7 @@ def test_a_version_held_nowhere_is_version_gone(store, coord_key, tmp_path):
 def test_disk_full_during_fetch_is_an_error_and_a_rerun_resumes(
     store, checkpoint, coord_key, tmp_path, monkeypatch
 ):
-    real = fetch_mod._write_at
+    real = fetch_disk._write_at
     writes = {"n": 0}
 
     def fills_up(fd, data, offset):
@@ -331,11 +331,11 @@ def test_disk_full_during_fetch_is_an_error_and_a_rerun_resumes(
 
     async def go():
         async with RelayServer(store, coord_key.public, port=0) as origin:
-            monkeypatch.setattr(fetch_mod, "_write_at", fills_up)
+            monkeypatch.setattr(fetch_disk, "_write_at", fills_up)
             with pytest.raises(DiskFullError, match="free some space"):
                 await fetch_version([origin.url], coord_key.public, tmp_path / "out", **FAST, concurrency=1)
             assert not (tmp_path / "out").exists()
-            monkeypatch.setattr(fetch_mod, "_write_at", real)  # space freed
+            monkeypatch.setattr(fetch_disk, "_write_at", real)  # space freed
             return await fetch_version([origin.url], coord_key.public, tmp_path / "out", **FAST)
 
     result = run(go())
@@ -399,7 +399,7 @@ def test_resume_after_a_killed_fetch_skips_the_shards_it_already_has(store, chec
 def test_a_journal_that_lies_costs_a_refetch_not_a_bad_checkpoint(
     store, checkpoint, coord_key, tmp_path, monkeypatch
 ):
-    real = fetch_mod._write_at
+    real = fetch_disk._write_at
     writes = {"n": 0}
 
     def fills_up(fd, data, offset):
@@ -412,10 +412,10 @@ def test_a_journal_that_lies_costs_a_refetch_not_a_bad_checkpoint(
 
     async def go():
         async with RelayServer(store, coord_key.public, port=0) as origin:
-            monkeypatch.setattr(fetch_mod, "_write_at", fills_up)
+            monkeypatch.setattr(fetch_disk, "_write_at", fills_up)
             with pytest.raises(DiskFullError):
                 await fetch_version([origin.url], coord_key.public, tmp_path / "out", **FAST, concurrency=1)
-            monkeypatch.setattr(fetch_mod, "_write_at", real)
+            monkeypatch.setattr(fetch_disk, "_write_at", real)
             # Corrupt the bytes of a shard the journal records as done.
             manifest = verify_manifest((staging / MANIFEST_NAME).read_bytes(), coord_key.public)
             done = int((staging / JOURNAL_NAME).read_text().split()[0])
@@ -514,9 +514,9 @@ def test_verify_files_rereads_the_disk_and_refetches_what_it_changed(
         if not flipped["done"] and offset == 0 and len(pieces[0]) > 10:
             flipped["done"] = True
             pieces = [b"\x00" + bytes(pieces[0][1:]), *pieces[1:]]  # what lands on disk differs
-        fetch_mod._write_at(fd, pieces, offset)
+        fetch_disk._write_at(fd, pieces, offset)
 
-    monkeypatch.setattr(fetch_mod, "_hash_and_write", disk_flips_a_byte)
+    monkeypatch.setattr(fetch_disk, "_hash_and_write", disk_flips_a_byte)
 
     async def go():
         async with RelayServer(store, coord_key.public, port=0) as origin:

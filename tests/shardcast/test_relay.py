@@ -23,7 +23,7 @@ from shardcast_helpers import (
     until,
 )
 
-from veriroll.shardcast import fetch as fetch_mod
+from veriroll.shardcast.fetch import disk as fetch_disk  # the seams where bytes touch the disk
 from veriroll.shardcast.fetch import fetch_version
 from veriroll.shardcast.publish import publish_checkpoint
 from veriroll.shardcast.relay import RelayServer
@@ -300,7 +300,7 @@ def test_a_mirror_with_a_full_disk_lists_nothing_and_says_why(store, coord_key, 
     def full(fd, data, offset):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(fetch_mod, "_write_at", full)
+    monkeypatch.setattr(fetch_disk, "_write_at", full)
 
     async def go():
         async with RelayServer(store, coord_key.public, port=0) as origin:
