@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import asyncio
 import errno
-import ipaddress
 import logging
 import resource
 import socket
-from enum import StrEnum
 
 from aiohttp import web
+
+from veriroll.protos.errors import RefusalReason
+from veriroll.protos.netaddr import address_key
 
 log = logging.getLogger("veriroll.shardcast.relay")
 
@@ -25,7 +26,7 @@ MAX_HEADERS = 32
 _FD_RESERVE = 128  # descriptors kept for the store, the mirror's fetch and logging
 
 
-class Refusal(StrEnum):
+class Refusal(RefusalReason):
     """Why a relay turned a connection or a request away; ``/status`` counts each."""
 
     CONNECTIONS = "connections"  # max_connections open already: closed at accept
@@ -37,21 +38,6 @@ class Refusal(StrEnum):
 
 
 _PER_ADDRESS = (Refusal.ADDRESS_CONNECTIONS, Refusal.ADDRESS_TRANSFERS)
-
-
-def address_key(host: str) -> str:
-    """The source a per-address limit counts: the IPv4 address, or the /64 an IPv6 address is in.
-
-    An IPv6 subscriber usually holds a whole /64, so counting single addresses would give one client
-    2^64 identities.
-    """
-    try:
-        ip = ipaddress.ip_address(host.split("%", 1)[0])
-    except ValueError:
-        return host
-    if ip.version == 6:
-        return str(ipaddress.ip_network(f"{ip}/64", strict=False))
-    return str(ip)
 
 
 def _listening_sockets(host: str, port: int, backlog: int) -> list[socket.socket]:

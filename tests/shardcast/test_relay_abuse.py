@@ -85,6 +85,9 @@ def test_address_key_is_the_ipv4_address_or_the_ipv6_slash_64():
     assert address_key("2001:db8:1:2:aaaa::1") == address_key("2001:db8:1:2:ffff::9") == "2001:db8:1:2::/64"
     assert address_key("2001:db8:1:3::1") != address_key("2001:db8:1:2::1")
     assert address_key("fe80::1%eth0") == "fe80::/64"
+    # One owner for every port's address keys (protos/netaddr): an IPv4 client seen over a dual-stack
+    # socket is the same source as over IPv4.
+    assert address_key("::ffff:203.0.113.7") == "203.0.113.7"
 
 
 def test_one_address_flooding_non_reading_downloads_cannot_starve_another(big_store, coord_key, tmp_path):
