@@ -8,14 +8,13 @@ from dataclasses import dataclass
 
 from veriroll.coordinator.store.columns import LeaseState, PromptState, Standing
 from veriroll.coordinator.store.db import Connection
-from veriroll.coordinator.store.kv import kv_set
+from veriroll.coordinator.store.kv import counter_total, kv_set
 
 
 def queued_groups(conn: Connection) -> int:
     """Accepted groups waiting for the trainer (neither consumed nor dropped), in O(1): the counter's rows
-    summed (one on SQLite, one per writer slot on PostgreSQL: ``schema.COUNTER_SLOTS``)."""
-    return int(conn.execute("SELECT COALESCE(SUM(value), 0) FROM counters WHERE name = 'queued_groups'")
-               .fetchone()[0])
+    summed."""
+    return counter_total(conn, "queued_groups")
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,5 @@
-"""The ``kv`` table: single values by name (the policy version, the trainer's step and history), as JSON."""
+"""Single values by name: the ``kv`` table (the policy version, the trainer's step and history, as JSON) and
+the ``counters`` table's totals."""
 
 from __future__ import annotations
 
@@ -16,3 +17,9 @@ def kv_get(conn: Connection, key: str, default: Any = None) -> Any:
 def kv_set(conn: Connection, key: str, value: Any) -> None:
     conn.execute("INSERT INTO kv(key, value) VALUES(?, ?) ON CONFLICT(key) DO UPDATE SET value=excluded.value",
                  (key, json.dumps(value)))
+
+
+def counter_total(conn: Connection, name: str) -> int:
+    """A counter's total in O(1): its rows summed (one on SQLite, one per writer slot on PostgreSQL:
+    ``schema.COUNTER_SLOTS``)."""
+    return int(conn.execute("SELECT COALESCE(SUM(value), 0) FROM counters WHERE name = ?", (name,)).fetchone()[0])

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from veriroll.coordinator.store.columns import LeaseState, PromptState, pack_i32, unpack_i32
 from veriroll.coordinator.store.db import Connection, execute_together
+from veriroll.coordinator.store.kv import counter_total
 
 
 def expire_leases(conn: Connection, now_ms: int) -> int:
@@ -108,8 +109,7 @@ def forget_nonces(conn: Connection, now_ms: int) -> int:
 
 def prompts_drawn(conn: Connection) -> int:
     """Prompts drawn from the stream so far, by every process (the counter's rows summed)."""
-    return int(conn.execute("SELECT COALESCE(SUM(value), 0) FROM counters WHERE name = 'prompts_drawn'")
-               .fetchone()[0])
+    return counter_total(conn, "prompts_drawn")
 
 
 @dataclass(frozen=True)
