@@ -240,8 +240,10 @@ for entry in os.listdir('/proc'):
 
 
 def _daemon(host: Host) -> str:
+    # The pipe's write end closes on the sleeper's exec: the program returns only once the daemon exists.
     return f"""
 import os
+ready, exec_done = os.pipe()
 if os.fork() == 0:
     os.setsid()
     if os.fork() == 0:
@@ -249,6 +251,8 @@ if os.fork() == 0:
             os.close(fd)
         {_sleeper(host)}
     os._exit(0)
+os.close(exec_done)
+os.read(ready, 1)
 print('daemon started')
 """
 
