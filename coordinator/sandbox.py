@@ -41,7 +41,7 @@ import tempfile
 import time
 from collections import Counter, deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 log = logging.getLogger("veriroll.coordinator.sandbox")
 
@@ -110,11 +110,11 @@ class KillReason(enum.StrEnum):
     """Why a run did not end on its own terms. ``None`` on a result means it did (any exit status)."""
 
     TIMEOUT = "timeout"  # wall time past the run's timeout; killed by the pool
-    CPU_LIMIT = "cpu_limit"  # RLIMIT_CPU: SIGXCPU, then SIGKILL a second later
+    CPU_LIMIT = "cpu_limit"  # RLIMIT_CPU: SIGKILL at ``cpu_s`` CPU seconds
     MEMORY_LIMIT = "memory_limit"  # RLIMIT_AS: the code raised MemoryError
     OUTPUT_LIMIT = "output_limit"  # stdout or stderr past ``output_bytes``; killed by the pool
     INPUT_LIMIT = "input_limit"  # code or stdin past their caps; nothing ran
-    CRASH = "crash"  # died of a signal (SIGSEGV, SIGKILL of its own, ...) or exit status 129..159
+    CRASH = "crash"  # died of a signal (SIGSEGV, SIGABRT, ...), or chose an exit status 129..191
     SANDBOX_ERROR = "sandbox_error"  # the container failed to take the job (worker died before it)
     CLOSED = "closed"  # the pool was closed while the code ran
 
@@ -134,7 +134,7 @@ class SandboxLimits:
     wall_s: float = 10.0
     """Wall time of a run unless ``run`` is given ``timeout_s``; the pool kills the container after it."""
     cpu_s: int = 5
-    """CPU seconds of the code's process (RLIMIT_CPU): SIGXCPU at this, SIGKILL one second later."""
+    """CPU seconds of each of the code's processes (RLIMIT_CPU); the kernel SIGKILLs a process at this."""
     memory_bytes: int = 512 * 2**20
     """Address space of each process (RLIMIT_AS); an allocation past it raises MemoryError."""
     processes: int = 16
@@ -161,7 +161,8 @@ class SandboxLimits:
     def rlimits(self) -> dict[str, tuple[int, int]]:
         """The kernel limits the worker sets on itself before running the code: name -> (soft, hard)."""
         return {
-            "RLIMIT_CPU": (self.cpu_s, self.cpu_s + 1),  # SIGXCPU first, so the reason is readable
+            # The worker is its PID namespace's init, which ignores SIGXCPU: the hard limit's SIGKILL ends it.
+            "RLIMIT_CPU": (self.cpu_s, self.cpu_s),
             "RLIMIT_AS": (self.memory_bytes, self.memory_bytes),
             "RLIMIT_NPROC": (self.processes, self.processes),
             "RLIMIT_FSIZE": (self.file_bytes, self.file_bytes),
@@ -252,7 +253,6 @@ class _Worker:
 
     process: subprocess.Popen
     workdir: str | None = None  # unsafe mode only: its own folder, removed when it ends
-    started: float = field(default_factory=time.monotonic)
 
 
 class SandboxPool:
@@ -596,7 +596,8 @@ def _kill_reason(exit_code: int | None, cpu_s: float, limits: SandboxLimits, *, 
         return KillReason.SANDBOX_ERROR
     if exit_code < 0:  # bwrap itself was killed: by close(), or by the host (OOM killer)
         return KillReason.CLOSED if closed else KillReason.CRASH
-    if exit_code == 128 + signal.SIGXCPU or (exit_code == 128 + signal.SIGKILL and cpu_s >= limits.cpu_s):
+    # 0.95: the kernel checks RLIMIT_CPU on its ticks; wait4's figure can round just below.
+    if exit_code == 128 + signal.SIGXCPU or (exit_code == 128 + signal.SIGKILL and cpu_s >= 0.95 * limits.cpu_s):
         return KillReason.CPU_LIMIT
     if exit_code == MEMORY_EXIT_CODE:
         return KillReason.MEMORY_LIMIT

@@ -187,3 +187,27 @@ def test_the_escape_checks_notice_an_escape_without_isolation(name, tmp_path):
             assert escaped, f"{name} got out without isolation, but no check noticed"
 
     run(scenario())
+
+
+@needs_bwrap
+def test_files_are_capped_per_file_and_in_all():
+    async def scenario():
+        limits = SandboxLimits(file_bytes=2**20, tmpfs_bytes=3 * 2**20)
+        with SandboxPool(1, limits) as pool:
+            big = await pool.run("open('big', 'wb').write(b'x' * 2 * 2**20)")
+            # Python ignores SIGXFSZ, so the write fails with EFBIG.
+            assert big.exit_code == 1 and "File too large" in big.stderr
+            many = await pool.run("for n in range(8):\n    open(f'f{n}', 'wb').write(b'x' * (2**20 - 1))")
+            assert many.exit_code == 1 and "No space left on device" in many.stderr
+
+    run(scenario())
+
+
+@needs_bwrap
+def test_cpu_time_of_a_run_is_measured():
+    async def scenario():
+        with SandboxPool(1, LIMITS) as pool:
+            busy = await pool.run("n = 0\nfor i in range(3 * 10**6):\n    n += i\nprint(n)")
+            assert busy.ok and busy.cpu_s > 0.05
+
+    run(scenario())
