@@ -355,6 +355,10 @@ class SandboxPool:
             self._give_slot()
         return self._counted(result)
 
+    def run_sync(self, code: str, stdin: str = "", timeout_s: float | None = None) -> SandboxResult:
+        """``run`` for plain code with no event loop running in this thread (a reward worker process)."""
+        return asyncio.run(self.run(code, stdin, timeout_s))
+
     def _is_closed(self) -> bool:
         return self._closed
 

@@ -10,7 +10,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import shutil
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -25,7 +27,7 @@ from veriroll.coordinator.sandbox import (
 )
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from sandbox_escapes import ATTEMPTS, attempt_escape, host_targets
+from sandbox_escapes import ATTEMPTS, attempt_escape, host_targets, leftover_processes
 
 # Small limits keep each attempt to a few seconds; the wall limit is generous for a loaded machine.
 LIMITS = SandboxLimits(wall_s=3.0, cpu_s=2, memory_bytes=256 * 2**20, processes=16, output_bytes=2**20)
@@ -211,3 +213,61 @@ def test_cpu_time_of_a_run_is_measured():
             assert busy.ok and busy.cpu_s > 0.05
 
     run(scenario())
+
+
+@needs_bwrap
+def test_run_sync_serves_plain_code():
+    with SandboxPool(1, LIMITS) as pool:
+        assert pool.run_sync("print(int(input()) + 1)", stdin="41\n").stdout == "42\n"
+        assert pool.run_sync("print('again')").stdout == "again\n"
+
+
+COORDINATOR_THAT_DIES = """
+import asyncio, os, sys
+from veriroll.coordinator.sandbox import SandboxLimits, SandboxPool
+pool = SandboxPool(2, SandboxLimits(wall_s=60))
+print(*[worker.process.pid for worker in pool._ready], flush=True)
+
+async def main():
+    running = asyncio.ensure_future(pool.run(sys.argv[1], timeout_s=60))
+    await asyncio.sleep(0.5)
+    print("running", flush=True)
+    await running
+
+asyncio.run(main())
+"""
+
+
+@needs_bwrap
+def test_sandboxes_die_with_the_coordinator(tmp_path):
+    """SIGKILL of the process that holds a pool leaves none of its containers, warm or running."""
+    with host_targets(tmp_path / "host") as host:
+        sleeper = f"import os\nos.execv('/bin/sleep', ['sleep', '300.{int(host.token[:6], 16)}'])"
+        coordinator = subprocess.Popen([sys.executable, "-c", COORDINATOR_THAT_DIES, sleeper],
+                                       stdout=subprocess.PIPE, text=True)
+        try:
+            warm_pids = [int(pid) for pid in coordinator.stdout.readline().split()]
+            assert coordinator.stdout.readline() == "running\n"
+            assert leftover_processes(host.token), "the sleeper should be running in its sandbox"
+            assert _alive(warm_pids) == warm_pids
+        finally:
+            coordinator.kill()
+            coordinator.wait()
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and (leftover_processes(host.token) or _alive(warm_pids)):
+            time.sleep(0.05)
+        assert leftover_processes(host.token) == []
+        assert _alive(warm_pids) == []
+
+
+def _alive(pids: list[int]) -> list[int]:
+    """Those of ``pids`` still running (not gone, not a zombie waiting for its reaper)."""
+    alive = []
+    for pid in pids:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if state != "Z":
+            alive.append(pid)
+    return alive
