@@ -19,7 +19,7 @@ import socket
 import subprocess
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from veriroll.coordinator.sandbox import NOBODY, KillReason, SandboxPool, SandboxResult
@@ -42,7 +42,7 @@ class Host:
     abstract: socket.socket
     abstract_name: str
     victim: subprocess.Popen
-    cleanup: list[Path] = field(default_factory=list)
+    inherited_fd: int  # an open secret this process would hand on to a careless child
 
     @property
     def tcp_port(self) -> int:
@@ -109,13 +109,16 @@ def host_targets(folder: Path) -> Iterator[Host]:
         unix=_listening(socket.AF_UNIX, str(unix_path)), unix_path=unix_path,
         abstract=_listening(socket.AF_UNIX, "\0" + abstract_name), abstract_name=abstract_name,
         victim=subprocess.Popen(victim_command, start_new_session=True),
+        inherited_fd=os.open(secret_paths[0], os.O_RDONLY),
     )
+    os.set_inheritable(host.inherited_fd, True)
     os.chmod(unix_path, 0o777)
     try:
         yield host
     finally:
         host.victim.kill()
         host.victim.wait()
+        os.close(host.inherited_fd)
         for server in (host.tcp, host.udp, host.unix, host.abstract):
             server.close()
         for path in [*secret_paths, *write_targets, unix_path]:
@@ -239,6 +242,19 @@ for entry in os.listdir('/proc'):
 """
 
 
+def _inherited_descriptors(host: Host) -> str:
+    return f"""
+import os
+print('open:', sorted(os.listdir('/proc/self/fd')))
+for fd in list(range(3, 1024)) + [{host.inherited_fd}]:
+    try:
+        os.lseek(fd, 0, 0)
+        print(fd, os.read(fd, 100))
+    except OSError:
+        pass
+"""
+
+
 def _daemon(host: Host) -> str:
     # The pipe's write end closes on the sleeper's exec: the program returns only once the daemon exists.
     return f"""
@@ -276,6 +292,7 @@ ATTEMPTS = [
     Attempt("signal_parent_and_host", _signal_parent, frozenset({None}), must_exit_zero=True),
     Attempt("ptrace_host", _ptrace, frozenset({None}), must_exit_zero=True),
     Attempt("list_host_processes", _proc, frozenset({None}), must_exit_zero=True),
+    Attempt("read_inherited_descriptors", _inherited_descriptors, frozenset({None}), must_exit_zero=True),
     Attempt("daemon_left_behind", _daemon, frozenset({None}), must_exit_zero=True),
     Attempt("fork_bomb", _fork_bomb, frozenset({KillReason.TIMEOUT, KillReason.CPU_LIMIT})),
     Attempt("memory_bomb", lambda host: "chunks = []\nwhile True:\n    chunks.append(bytearray(2**24))\n",
