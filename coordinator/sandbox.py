@@ -40,8 +40,10 @@ import sys
 import tempfile
 import time
 from collections import Counter, deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+
+from veriroll.coordinator.seccomp import SeccompUnsupported, refusing_filter
 
 log = logging.getLogger("veriroll.coordinator.sandbox")
 
@@ -201,8 +203,12 @@ def default_python() -> str:
     return os.path.realpath(os.path.join(sys.base_prefix, "bin", "python3"))
 
 
-def bwrap_command(python: str, limits: SandboxLimits) -> list[str]:
-    """The bubblewrap command line that starts one warm worker, as the unprivileged user."""
+SECCOMP_FD_PLACEHOLDER = "{seccomp_fd}"  # replaced per container by the descriptor its filter is read from
+
+
+def bwrap_command(python: str, limits: SandboxLimits, *, seccomp: bool = True) -> list[str]:
+    """The bubblewrap command line that starts one warm worker, as the unprivileged user. With
+    ``seccomp``, it holds ``SECCOMP_FD_PLACEHOLDER`` where the filter's descriptor goes."""
     bwrap = shutil.which("bwrap")
     if bwrap is None:
         raise SandboxUnavailable(
@@ -231,6 +237,8 @@ def bwrap_command(python: str, limits: SandboxLimits) -> list[str]:
                 "--chdir", "/tmp",
                 "--setenv", "HOME", "/tmp", "--setenv", "PATH", "/usr/bin:/bin",
                 "--setenv", "LANG", "C.UTF-8"]
+    if seccomp:
+        command += ["--seccomp", SECCOMP_FD_PLACEHOLDER]
     if os.geteuid() == 0:
         # As root, bwrap would map the sandbox's user to host root, which RLIMIT_NPROC does not count:
         # drop to nobody first (setpriv keeps the spawn a cheap vfork; Popen(user=) would fork).
@@ -263,7 +271,7 @@ class SandboxPool:
     """
 
     def __init__(self, size: int = 4, limits: SandboxLimits | None = None, *, mode: str = BWRAP_MODE,
-                 warm: bool = True, python: str | None = None):
+                 warm: bool = True, python: str | None = None, seccomp: bool = True):
         if size < 1:
             raise ValueError(f"size must be at least 1, not {size}")
         if mode not in MODES:
@@ -280,8 +288,18 @@ class SandboxPool:
         self._running: set[_Worker] = set()
         self._slots = 0  # runs under way or about to be
         self._slot_waiters: deque[asyncio.Future] = deque()
+        self._seccomp_filter: bytes | None = None
         if mode == BWRAP_MODE:
-            self._command = bwrap_command(self.python, self.limits)
+            self._command = bwrap_command(self.python, self.limits, seccomp=seccomp)
+            if seccomp:
+                try:
+                    self._seccomp_filter = refusing_filter()
+                except SeccompUnsupported as error:
+                    raise SandboxUnavailable(f"{error}; pass seccomp=False to run without a syscall filter "
+                                             "(namespaces and limits still apply)") from error
+            else:
+                log.warning("sandbox pool without a seccomp filter: model code can reach every system call "
+                            "an unprivileged user can")
             self._probe()
         else:
             self._command = unsafe_command(self.python)
@@ -300,8 +318,10 @@ class SandboxPool:
         """Start one container that runs ``pass``, so a host that cannot create one fails here, loudly."""
         job = _job_bytes("pass", self.limits, b"")
         try:
-            done = subprocess.run(self._command, input=job, capture_output=True, timeout=PROBE_TIMEOUT_S,
-                                  cwd="/", start_new_session=True, check=False)
+            with self._filter_fd() as fd:
+                done = subprocess.run(self._command_with(fd), input=job, capture_output=True,
+                                      timeout=PROBE_TIMEOUT_S, cwd="/", start_new_session=True, check=False,
+                                      pass_fds=(fd,) if fd is not None else ())
         except (OSError, subprocess.TimeoutExpired) as error:
             raise SandboxUnavailable(f"could not start a bubblewrap sandbox: {error}") from error
         if done.returncode != 0:
@@ -319,12 +339,36 @@ class SandboxPool:
         if self.mode == UNSAFE_SUBPROCESS_MODE:
             workdir = tempfile.mkdtemp(prefix="veriroll-sandbox-")
             os.chmod(workdir, 0o777)  # the worker may run as nobody
-        process = subprocess.Popen(
-            self._command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-            cwd=workdir or "/", env={"PATH": "/usr/bin:/bin", "HOME": workdir or "/", "LANG": "C.UTF-8"},
-            start_new_session=True,  # its own process group, killed as one
-        )
+        with self._filter_fd() as fd:
+            process = subprocess.Popen(
+                self._command_with(fd), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                cwd=workdir or "/", env={"PATH": "/usr/bin:/bin", "HOME": workdir or "/", "LANG": "C.UTF-8"},
+                start_new_session=True,  # its own process group, killed as one
+                pass_fds=(fd,) if fd is not None else (),
+            )
         return _Worker(process, workdir)
+
+    @contextlib.contextmanager
+    def _filter_fd(self) -> Iterator[int | None]:
+        """A pipe's read end holding the seccomp filter, for one container's bwrap to read to EOF."""
+        if self._seccomp_filter is None:
+            yield None
+            return
+        read_end, write_end = os.pipe()
+        try:
+            os.write(write_end, self._seccomp_filter)  # a few hundred bytes: fits the pipe
+            os.close(write_end)
+            write_end = -1
+            yield read_end
+        finally:
+            os.close(read_end)
+            if write_end != -1:
+                os.close(write_end)
+
+    def _command_with(self, fd: int | None) -> list[str]:
+        if fd is None:
+            return self._command
+        return [str(fd) if part == SECCOMP_FD_PLACEHOLDER else part for part in self._command]
 
     async def run(self, code: str, stdin: str = "", timeout_s: float | None = None) -> SandboxResult:
         """Run ``code`` as a Python program with ``stdin``; its stdout, stderr, status and why it was

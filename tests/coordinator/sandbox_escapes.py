@@ -255,6 +255,22 @@ for fd in list(range(3, 1024)) + [{host.inherited_fd}]:
 """
 
 
+def _kernel_attack_surface(host: Host) -> str:
+    # Each call must be refused before the kernel looks at it (EPERM from the seccomp filter), not merely
+    # fail on these arguments: a call that reaches its subsystem reaches that subsystem's bugs.
+    return """
+import ctypes, errno
+libc = ctypes.CDLL(None, use_errno=True)
+calls = {'io_uring_setup': 425, 'bpf': 321, 'keyctl': 250, 'add_key': 248, 'userfaultfd': 323,
+         'perf_event_open': 298, 'unshare': 272, 'setns': 308, 'mount': 165, 'fsopen': 430, 'ptrace': 101}
+for name, number in calls.items():
+    ctypes.set_errno(0)
+    answer = libc.syscall(number, 0, 0, 0, 0, 0)
+    refused = answer == -1 and ctypes.get_errno() == errno.EPERM
+    print(name, 'refused' if refused else f'REACHED ({answer}, errno {ctypes.get_errno()})')
+"""
+
+
 def _daemon(host: Host) -> str:
     # The pipe's write end closes on the sleeper's exec: the program returns only once the daemon exists.
     return f"""
@@ -292,6 +308,7 @@ ATTEMPTS = [
     Attempt("signal_parent_and_host", _signal_parent, frozenset({None}), must_exit_zero=True),
     Attempt("ptrace_host", _ptrace, frozenset({None}), must_exit_zero=True),
     Attempt("list_host_processes", _proc, frozenset({None}), must_exit_zero=True),
+    Attempt("reach_kernel_attack_surface", _kernel_attack_surface, frozenset({None}), must_exit_zero=True),
     Attempt("read_inherited_descriptors", _inherited_descriptors, frozenset({None}), must_exit_zero=True),
     Attempt("daemon_left_behind", _daemon, frozenset({None}), must_exit_zero=True),
     Attempt("fork_bomb", _fork_bomb, frozenset({KillReason.TIMEOUT, KillReason.CPU_LIMIT})),
@@ -318,6 +335,8 @@ def how_it_escaped(attempt: Attempt, result: SandboxResult, host: Host) -> list[
         found.append(f"a server was reached: {host.servers_reached()} / {output[-300:]!r}")
     if host.victim.poll() is not None:
         found.append(f"the victim process died (status {host.victim.returncode})")
+    if "REACHED" in output:
+        found.append(f"system calls reached the kernel: {[line for line in output.splitlines() if 'REACHED' in line]}")
     if " attached" in output:
         found.append("ptrace attached to a host process")
     if attempt.name == "list_host_processes":

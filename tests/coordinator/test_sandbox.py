@@ -171,13 +171,35 @@ def test_named_weaker_mode_warns_and_says_it_is_not_isolated(caplog):
     run(scenario())
 
 
+def test_architecture_without_a_filter_fails_closed_unless_told(monkeypatch):
+    monkeypatch.setattr(sandbox, "refusing_filter", lambda: (_ for _ in ()).throw(
+        sandbox.SeccompUnsupported("no seccomp filter is written for 'riscv64'")))
+    with pytest.raises(SandboxUnavailable, match="riscv64.*seccomp=False"):
+        SandboxPool(1, LIMITS)
+
+
+@needs_bwrap
+def test_without_seccomp_by_name_the_calls_reach_the_kernel(caplog, tmp_path):
+    attempt = next(attempt for attempt in ATTEMPTS if attempt.name == "reach_kernel_attack_surface")
+
+    async def scenario():
+        with caplog.at_level(logging.WARNING, logger="veriroll.coordinator.sandbox"):
+            pool = SandboxPool(1, LIMITS, seccomp=False)
+        assert "without a seccomp filter" in caplog.text
+        with pool, host_targets(tmp_path / "host") as host:
+            _, escaped = await attempt_escape(pool, attempt, host, TIMEOUT_S)
+            assert any("system calls reached the kernel" in line for line in escaped)
+
+    run(scenario())
+
+
 def test_unknown_mode_is_refused():
     with pytest.raises(ValueError, match="mode"):
         SandboxPool(1, LIMITS, mode="subprocess")
 
 
 @pytest.mark.parametrize("name", ["read_secret_files", "write_outside", "connect_sockets", "list_host_processes",
-                                  "daemon_left_behind"])
+                                  "daemon_left_behind", "reach_kernel_attack_surface"])
 def test_the_escape_checks_notice_an_escape_without_isolation(name, tmp_path):
     """The same attempts without the container do get out: the checks above are not vacuous."""
     attempt = next(attempt for attempt in ATTEMPTS if attempt.name == name)
