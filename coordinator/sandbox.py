@@ -4,7 +4,8 @@ In an unaudited group a dishonest node may have chosen that code itself, and the
 signing key, the TLS keys and the store. So each run happens in a bubblewrap container (new user, PID,
 network, mount, IPC and UTS namespaces; no capabilities; read-only ``/usr`` and the interpreter's prefix,
 nothing else of the host's filesystem; a fresh size-capped tmpfs as its working folder; an empty
-environment; no network but a down loopback) as an unprivileged user, under kernel resource limits (CPU
+environment; no network but a loopback of its own; a seccomp filter refusing the system calls behind
+many kernel escapes, see coordinator/seccomp.py) as an unprivileged user, under kernel resource limits (CPU
 time, address space, processes, file size, open files, no core dumps), with the wall time and the output
 bounded by this process. When a run ends, for any reason, its whole process tree is killed: the
 container's PID namespace dies with its init.
@@ -251,7 +252,8 @@ def unsafe_command(python: str) -> list[str]:
     """The command line of a worker in the named weaker mode: the same worker, no container."""
     command = [python, "-I", "-S", "-c", WORKER_SOURCE]
     if os.geteuid() == 0:
-        command = ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", "--", *command]
+        command = [shutil.which("setpriv") or "/usr/bin/setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}",
+                   "--clear-groups", "--", *command]
     return command
 
 
