@@ -118,7 +118,7 @@ class KillReason(enum.StrEnum):
     OUTPUT_LIMIT = "output_limit"  # stdout or stderr past ``output_bytes``; killed by the pool
     INPUT_LIMIT = "input_limit"  # code or stdin past their caps; nothing ran
     CRASH = "crash"  # died of a signal (SIGSEGV, SIGABRT, ...), or chose an exit status 129..191
-    SANDBOX_ERROR = "sandbox_error"  # the container failed to take the job (worker died before it)
+    SANDBOX_ERROR = "sandbox_error"  # no container could be started, or it ended before reading the job
     CLOSED = "closed"  # the pool was closed while the code ran
 
 
@@ -388,7 +388,12 @@ class SandboxPool:
         try:
             if self._closed:
                 raise SandboxClosed("the sandbox pool is closed")
-            worker = self._take_worker()
+            try:
+                worker = self._take_worker()
+            except OSError as error:  # this host is out of processes or descriptors: not the code's doing
+                log.warning("could not start a sandbox: %s", error)
+                return self._counted(SandboxResult(None, "", f"could not start a sandbox: {error}", False,
+                                                   KillReason.SANDBOX_ERROR, 0.0, 0.0))
             self._running.add(worker)
             try:
                 result = await _execute(worker, _job_bytes(code, self.limits, stdin_bytes), self.limits,

@@ -238,6 +238,19 @@ def test_cpu_time_of_a_run_is_measured():
 
 
 @needs_bwrap
+def test_a_container_that_cannot_start_answers_sandbox_error():
+    with SandboxPool(1, LIMITS, warm=False) as pool:
+        def out_of_processes():
+            raise BlockingIOError(11, "Resource temporarily unavailable")
+
+        pool._spawn = out_of_processes
+        result = pool.run_sync("print(1)")
+        assert (result.exit_code, result.killed_reason) == (None, KillReason.SANDBOX_ERROR)
+        assert "Resource temporarily unavailable" in result.stderr
+        assert pool.kill_counts[KillReason.SANDBOX_ERROR] == 1
+
+
+@needs_bwrap
 def test_run_sync_serves_plain_code():
     with SandboxPool(1, LIMITS) as pool:
         assert pool.run_sync("print(int(input()) + 1)", stdin="41\n").stdout == "42\n"
