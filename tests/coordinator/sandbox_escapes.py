@@ -261,11 +261,13 @@ def _kernel_attack_surface(host: Host) -> str:
     return """
 import ctypes, errno
 libc = ctypes.CDLL(None, use_errno=True)
-calls = {'io_uring_setup': 425, 'bpf': 321, 'keyctl': 250, 'add_key': 248, 'userfaultfd': 323,
-         'perf_event_open': 298, 'unshare': 272, 'setns': 308, 'mount': 165, 'fsopen': 430, 'ptrace': 101}
-for name, number in calls.items():
+# Arguments that do nothing where the call is allowed (ptrace: attach to pid 0, not PTRACE_TRACEME).
+calls = {'io_uring_setup': (425, 0), 'bpf': (321, 0), 'keyctl': (250, 0), 'add_key': (248, 0),
+         'userfaultfd': (323, 0), 'perf_event_open': (298, 0), 'unshare': (272, 0), 'setns': (308, -1),
+         'mount': (165, 0), 'fsopen': (430, 0), 'ptrace': (101, 16)}
+for name, (number, first) in calls.items():
     ctypes.set_errno(0)
-    answer = libc.syscall(number, 0, 0, 0, 0, 0)
+    answer = libc.syscall(number, first, 0, 0, 0, 0)
     refused = answer == -1 and ctypes.get_errno() == errno.EPERM
     print(name, 'refused' if refused else f'REACHED ({answer}, errno {ctypes.get_errno()})')
 """
