@@ -136,7 +136,7 @@ def test_close_stops_running_code_and_refuses_new_runs():
         running = asyncio.ensure_future(pool.run("import time\ntime.sleep(60)", timeout_s=60))
         await asyncio.sleep(0.3)
         pool.close()
-        result = await asyncio.wait_for(running, 5)
+        result = await running  # the kill ends it at once; pytest's timeout guards a hang
         assert result.killed_reason == KillReason.CLOSED and result.exit_code is None
         with pytest.raises(SandboxClosed):
             await pool.run("print(1)")
@@ -288,7 +288,7 @@ def test_sandboxes_die_with_the_coordinator(tmp_path):
         finally:
             coordinator.kill()
             coordinator.wait()
-        deadline = time.monotonic() + 5
+        deadline = time.monotonic() + 30  # a guard, not a figure: they are gone within milliseconds
         while time.monotonic() < deadline and (leftover_processes(host.token) or _alive(warm_pids)):
             time.sleep(0.05)
         assert leftover_processes(host.token) == []
