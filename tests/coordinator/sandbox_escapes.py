@@ -274,19 +274,22 @@ for name, (number, first) in calls.items():
 
 
 def _daemon(host: Host) -> str:
-    # The pipe's write end closes on the sleeper's exec: the program returns only once the daemon exists.
+    # The sleeper writes one byte, then the pipe's write end closes on its exec: the program returns only
+    # once the daemon exists, and fails (status 1, noticed) if it never came to be (a fork refused).
     return f"""
-import os
+import os, sys
 ready, exec_done = os.pipe()
 if os.fork() == 0:
     os.setsid()
     if os.fork() == 0:
+        os.write(exec_done, b'x')
         for fd in (0, 1, 2):
             os.close(fd)
         {_sleeper(host)}
     os._exit(0)
 os.close(exec_done)
-os.read(ready, 1)
+if os.read(ready, 1) != b'x' or os.read(ready, 1) != b'':
+    sys.exit('the daemon was never started')
 print('daemon started')
 """
 
