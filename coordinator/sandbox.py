@@ -483,9 +483,9 @@ class SandboxPool:
         self.close()
 
 
-def _job_bytes(code: str | bytes, limits: SandboxLimits, stdin: bytes) -> bytes:
-    header = json.dumps({"code": code if isinstance(code, str) else code.decode(),
-                         "rlimits": limits.rlimits()}).encode()
+def _job_bytes(code: str, limits: SandboxLimits, stdin: bytes) -> bytes:
+    """What the worker reads: a 4-byte length, the JSON header (code and rlimits), then the code's stdin."""
+    header = json.dumps({"code": code, "rlimits": limits.rlimits()}).encode()
     return len(header).to_bytes(4, "big") + header + stdin
 
 
