@@ -350,7 +350,8 @@ def how_it_escaped(attempt: Attempt, result: SandboxResult, host: Host) -> list[
         if others:
             found.append(f"other processes were visible in /proc: {others[:5]}")
     if result.killed_reason not in attempt.reasons:
-        found.append(f"ended with reason {result.killed_reason}, expected one of {sorted(map(str, attempt.reasons))}")
+        found.append(f"ended with reason {result.killed_reason}, expected one of {sorted(map(str, attempt.reasons))} "
+                     f"(exit status {result.exit_code}, {result.cpu_s:.3f} CPU s, {result.wall_s:.2f} s)")
     if attempt.must_exit_zero and result.exit_code != 0:
         found.append(f"exit status {result.exit_code}: {result.stderr[-500:]!r}")
     return found
