@@ -64,6 +64,16 @@ PY
   fi
   touch "$stamp"
 fi
+# bubblewrap, the sandbox that runs model-written code (coordinator/sandbox.py, docs/sandbox.md): Debian's
+# package (0.8 or newer), where it is missing and this runs as root with apt-get. Elsewhere the sandbox's
+# tests skip and say why, and a sandbox pool refuses to be made there (SandboxUnavailable) unless the
+# operator names the weaker mode.
+if ! command -v bwrap >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+  echo "setup.sh: installing bubblewrap (apt-get install bubblewrap) for the code sandbox"
+  { DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends bubblewrap >/dev/null 2>&1 \
+    || { apt-get update -q >/dev/null 2>&1 && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends bubblewrap >/dev/null 2>&1; }; } \
+    || echo "setup.sh: bubblewrap could not be installed; the sandbox's tests will skip" >&2
+fi
 # PostgreSQL, for the store's tests on its second backend (tests/pg_cluster.py starts a throwaway cluster as
 # the postgres user): Debian's package, where it is missing and this runs as root with apt-get. Elsewhere
 # those tests skip and say why.
