@@ -225,9 +225,10 @@ async def _start(base: Path, cfg: CoordinatorConfig, lock: DirectoryLock | None)
     if version is None:
         version = policy_store.latest()
         db.run_sync(lambda c: st.kv_set(c, "policy_version", version))
-    from veriroll.coordinator.environments import load_environment
+    from veriroll.coordinator.environments import environment_kwargs, load_environment
 
-    env = load_environment(cfg.environment.name, **cfg.environment.kwargs)
+    # An environment that runs model-written code proves its sandbox here, or refuses to start.
+    env = load_environment(cfg.environment.name, **environment_kwargs(cfg))
     key = load_private_key(resolve_path(base, cfg.key))
     metrics = CoordinatorMetrics()
     policy = PolicyState(version=int(version), relays=list(cfg.shardcast.relays))

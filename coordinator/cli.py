@@ -147,7 +147,7 @@ def format_handout(summary: dict) -> str:
 
 
 def _init(args, base: Path) -> dict:
-    from veriroll.coordinator.environments import EnvironmentLoadError, load_environment
+    from veriroll.coordinator.environments import EnvironmentLoadError, environment_kwargs, load_environment
     from veriroll.coordinator.models import ModelLoadError, create_model_checkpoint, generation_defaults
     from veriroll.coordinator.policy import PolicyStore
     from veriroll.coordinator.tls import create_tls
@@ -175,7 +175,7 @@ def _init(args, base: Path) -> dict:
     cfg = load_config(CoordinatorConfig, overrides={**overrides, **explicit})
     # Refuse bad input before writing anything: the environment (dataset file, columns) ...
     try:
-        load_environment(cfg.environment.name, **cfg.environment.kwargs)
+        load_environment(cfg.environment.name, **environment_kwargs(cfg))
     except (EnvironmentLoadError, ValueError, TypeError, OSError) as exc:
         raise InitError(f"environment {cfg.environment.name!r}: {exc}") from exc
     base.mkdir(parents=True, exist_ok=True)
@@ -243,10 +243,10 @@ def _check_prompt_rendering(cfg: CoordinatorConfig, checkpoint: Path) -> None:
 
     from transformers import AutoTokenizer
 
-    from veriroll.coordinator.environments import load_environment
+    from veriroll.coordinator.environments import environment_kwargs, load_environment
     from veriroll.coordinator.prompts import PromptRenderer
 
-    env = load_environment(cfg.environment.name, **cfg.environment.kwargs)
+    env = load_environment(cfg.environment.name, **environment_kwargs(cfg))
     try:
         renderer = PromptRenderer(AutoTokenizer.from_pretrained(str(checkpoint)), system_prompt=cfg.environment.system_prompt,
                                   chat_template=cfg.environment.chat_template)
@@ -275,6 +275,7 @@ def cmd_run(args) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     from veriroll.coordinator.app import CannotListen, DirectoryInUse, load_coordinator_config, serve_forever
+    from veriroll.coordinator.environments import EnvironmentLoadError
     from veriroll.coordinator.event_loop import loop_runner
     from veriroll.protos.signals import then_release_signals
 
@@ -286,7 +287,7 @@ def cmd_run(args) -> int:
         logging.getLogger("veriroll.coordinator").info("event loop: %s (%s)", name, why)
         # Once serving is over, one more stop signal leaves at once (protos/signals.py).
         return run(then_release_signals(serve_forever(Path(args.dir), overrides=overrides, stop=stop)))
-    except (FileNotFoundError, ConfigError, DirectoryInUse, CannotListen) as exc:
+    except (FileNotFoundError, ConfigError, DirectoryInUse, CannotListen, EnvironmentLoadError) as exc:
         print(f"coordinator run: {exc}", file=sys.stderr)
         return 2
 
@@ -323,12 +324,14 @@ def _query(args, *ops, with_config: bool = False):
 
 def cmd_status(args) -> int:
     from veriroll.coordinator.app import verification_state
+    from veriroll.coordinator.environments import sandbox_state
 
     got = _query(args, st.status_summary, with_config=True)
     if got is None:
         return 2
     summary, cfg = got
     summary["verification"] = verification_state(cfg)  # "off" only with intake.verify = false
+    summary["sandbox"] = sandbox_state(cfg)  # as /api/status shows it
     if args.json:
         print(json.dumps(summary))
     else:

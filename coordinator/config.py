@@ -242,6 +242,27 @@ class VerifierConfig(_Section):
                           "verdict instead of queueing it again")
 
 
+SandboxMode = Literal["bwrap", "unsafe-subprocess"]
+
+
+class SandboxConfig(_Section):
+    """Where model-written code runs (docs/sandbox.md): used by environments that run it (``code``)."""
+
+    mode: SandboxMode = Field("bwrap", description="'bwrap': each run in a bubblewrap container (the coordinator "
+                              "refuses to start where it cannot create one); 'unsafe-subprocess': the named weaker "
+                              "mode, a plain subprocess with the same limits and NO isolation of files, network or "
+                              "processes (logged as a warning at start, shown in /api/status)")
+    pool_size: int = Field(4, ge=1, le=64, description="sandboxes run at once (and kept warm) per reward worker process; "
+                           "a sample's tests run in parallel up to this")
+    wall_s: float = Field(3.0, gt=0, description="wall time of one test's run; keep wall_s x ceil(tests per problem / "
+                          "pool_size) under environment.reward_timeout_s")
+    cpu_s: int = Field(2, ge=1, description="CPU seconds of each process of a run (RLIMIT_CPU)")
+    memory_mb: int = Field(512, ge=16, description="address space of each process of a run, MiB (RLIMIT_AS)")
+    processes: int = Field(16, ge=1, description="processes and threads a run may have at once (RLIMIT_NPROC)")
+    output_bytes: int = Field(1 << 20, ge=1, description="bytes read of a run's stdout and of its stderr; one more "
+                              "and the run is killed")
+
+
 class CoordinatorConfig(_Section):
     role: Role = Field("all", description="what this process runs: 'all' (one "
                       "process: edge, verification, trainer, origin relay), 'edge' (gRPC and HTTP, intake with "
@@ -264,3 +285,5 @@ class CoordinatorConfig(_Section):
     shardcast: ShardcastConfig = Field(default_factory=ShardcastConfig, description="weight broadcast: store and relays")
     verifier: VerifierConfig = Field(default_factory=VerifierConfig, description="in-process verification or the "
                                      "verifier pool")
+    sandbox: SandboxConfig = Field(default_factory=SandboxConfig, description="the sandbox for model-written code "
+                                   "(the code environment)")

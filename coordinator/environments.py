@@ -8,7 +8,8 @@ functions, clamped to [0, 1]:
 
 Built in: ``arithmetic`` (the demo task: addition, answer checked exactly), ``reverse-text`` (reverse a
 short string, partial credit by edit distance) and ``math`` (dataset files or generated word problems,
-scored by math-verify; coordinator/math_environment.py). Anything else loads from a ``module:attribute``
+scored by math-verify; coordinator/math_environment.py) and ``code`` (programs with stdin/stdout tests run
+in the sandbox; coordinator/code_environment.py). Anything else loads from a ``module:attribute``
 path, so an operator can bring their own task without touching veriroll, or from a single-turn taskset
 of the ``verifiers`` library (``vf:TASKSET``, coordinator/verifiers_adapter.py).
 
@@ -33,10 +34,13 @@ __all__ = [
     "EnvironmentLoadError",
     "Prompt",
     "ReverseTextEnvironment",
+    "SANDBOXED_ENVIRONMENTS",
     "RewardFunction",
     "Rubric",
     "levenshtein",
+    "environment_kwargs",
     "load_environment",
+    "sandbox_state",
 ]
 
 
@@ -243,11 +247,44 @@ def math_environment(**kwargs) -> Environment:
     return MathEnvironment(**kwargs)
 
 
+def code_environment(**kwargs) -> Environment:
+    """The built-in ``code`` environment (coordinator/code_environment.py): programs with stdin/stdout tests,
+    run in the sandbox (coordinator/sandbox.py); imported only when used."""
+    from veriroll.coordinator.code_environment import CodeEnvironment
+
+    return CodeEnvironment(**kwargs)
+
+
 BUILTIN_ENVIRONMENTS: dict[str, Callable[..., Environment]] = {
     "arithmetic": ArithmeticEnvironment,
+    "code": code_environment,
     "math": math_environment,
     "reverse-text": ReverseTextEnvironment,
 }
+
+
+SANDBOXED_ENVIRONMENTS = frozenset({"code"})
+"""Built-in environments that run model-written code: they take the coordinator's ``[sandbox]`` section as
+their ``sandbox`` argument, and refuse to start where it cannot isolate (unless its weaker mode is named)."""
+
+
+def environment_kwargs(cfg) -> dict:
+    """The arguments the coordinator loads ``cfg.environment`` with: its ``kwargs``, plus ``sandbox`` (the
+    ``[sandbox]`` section) for an environment that runs model-written code. The one place every loader
+    (init, run, the reward workers) gets them from, so all load the same environment."""
+    kwargs = dict(cfg.environment.kwargs)
+    if cfg.environment.name in SANDBOXED_ENVIRONMENTS:
+        kwargs["sandbox"] = cfg.sandbox.model_dump()
+    return kwargs
+
+
+def sandbox_state(cfg) -> dict | None:
+    """``{"mode", "isolated"}`` of the sandbox model-written code runs in, as ``/api/status`` and
+    ``coordinator status`` show it; None for an environment that runs no such code. A coordinator
+    running with this config has proven at start that the mode works (it refuses to start otherwise)."""
+    if cfg.environment.name not in SANDBOXED_ENVIRONMENTS:
+        return None
+    return {"mode": cfg.sandbox.mode, "isolated": cfg.sandbox.mode == "bwrap"}
 
 
 class EnvironmentLoadError(VerirollError, ValueError):

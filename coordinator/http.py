@@ -62,6 +62,7 @@ import aiohttp
 from aiohttp import web
 
 from veriroll.coordinator import store as st
+from veriroll.coordinator.environments import sandbox_state
 from veriroll.coordinator.limits import PeerGate
 from veriroll.coordinator.metrics import Counter
 from veriroll.protos.errors import VerirollError
@@ -247,6 +248,7 @@ class StatusSource:
             body = await self.coord.db.run_read(lambda c: read_status(c, now, window_s, max_points))
             body["time_ms"] = now
             body["verification"] = "on" if self.coord.cfg.intake.verify else "off"
+            body["sandbox"] = sandbox_state(self.coord.cfg)  # None unless the environment runs model code
             body["policy"] = {"version": svc.policy.version, "s_max": self.coord.cfg.intake.s_max,
                               "relays": list(svc.policy.relays)}
             body["trainer"] = {k[0]: v for k, v in sorted(svc.metrics.trainer.values.items())}

@@ -415,6 +415,8 @@ class Intake:
         for kind in result.errors:
             if kind is not None:
                 self.metrics.reward_errors.inc(kind=kind)
+        for reason, count in result.sandbox_kills.items():
+            self.metrics.sandbox_kills.inc(count, reason=reason)
         if result.details:
             log.warning("reward errors in prompt %s of environment %s (scored 0): %s",
                         prompt["prompt_id"], prompt["env"], "; ".join(result.details))

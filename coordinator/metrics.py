@@ -192,6 +192,10 @@ class CoordinatorMetrics:
         self.reward_errors = r.counter("veriroll_reward_errors_total",
                                        "samples whose reward function failed and scored 0, by kind "
                                        "(exception, timeout, invalid, crash)", ("kind",))
+        self.sandbox_kills = r.counter("veriroll_sandbox_kills_total",
+                                       "runs of model-written code the sandbox stopped while scoring, by reason "
+                                       "(timeout, cpu_limit, memory_limit, output_limit, input_limit, crash, "
+                                       "sandbox_error, closed)", ("reason",))
         self.verify_latency = r.histogram("veriroll_verification_seconds", "verification time per group")
         self.queue_depth = r.gauge("veriroll_queue_depth", "accepted groups waiting for the trainer")
         self.policy_version = r.gauge("veriroll_policy_version", "newest policy version")

@@ -64,6 +64,9 @@ class GroupRewards:
     errors: list[str | None] = field(default_factory=list)
     details: list[str] = field(default_factory=list)
     """One line per error, for the coordinator's log."""
+    sandbox_kills: Counter[str] = field(default_factory=Counter)
+    """Sandbox runs of model-written code killed while scoring the group, by reason (an environment that
+    runs code, ``take_sandbox_kills``); lost with a worker killed mid-group (that sample is a ``timeout``)."""
 
 
 _KINDS = (None, "exception", "invalid")
@@ -108,6 +111,7 @@ def _worker_main(conn, spec: str, kwargs: dict, progress, values, kinds) -> None
         conn.send(("load_error", f"{type(e).__name__}: {e}"))
         return
     conn.send(("ready", None))
+    take_kills = getattr(env, "take_sandbox_kills", None)
     while True:
         try:
             request = conn.recv()
@@ -124,7 +128,8 @@ def _worker_main(conn, spec: str, kwargs: dict, progress, values, kinds) -> None
             values[j], kinds[j], detail = _score_one(env, prompt, completion)
             if kinds[j]:  # errors are rare: their details go at once, so a later kill cannot lose them
                 conn.send(("error", first + j, detail))
-        conn.send(("done", None, None))
+        # Counted here, where the sandbox ran; the coordinator exports them (veriroll_sandbox_kills_total).
+        conn.send(("done", None, take_kills() if take_kills else None))
 
 
 class _Worker:
@@ -277,6 +282,7 @@ class RewardRunner:
             if what == "error":
                 details[index] = detail
                 continue
+            out.sandbox_kills.update(detail or {})
             self._collect(worker, first, out, partial=False, count=len(chunk), details=details)
             return first + len(chunk), worker
 
@@ -374,6 +380,7 @@ class RewardRunner:
                 if what == "error":
                     details[index] = detail
                     continue
+                out.sandbox_kills.update(detail or {})
                 break
         finally:
             loop.remove_reader(fd)  # before the pipe can be closed by a kill

@@ -25,6 +25,7 @@ from veriroll.coordinator import store as st
 from veriroll.coordinator.admission import NewIdentityLimiter, check_register_pow
 from veriroll.coordinator.config import CoordinatorConfig
 from veriroll.coordinator.edge import Door, Refusal, banned
+from veriroll.coordinator.environments import environment_kwargs
 from veriroll.coordinator.intake import (
     MESSAGES_META_KEY,
     GroupVerifier,
@@ -138,7 +139,7 @@ class CoordinatorService:
                                        encode_text=self.codec.encode)
         self.stop_token_ids = self.renderer.stop_token_ids(list(stop_token_ids), override=cfg.leases.stop_token_ids)
         inline = ec.inline_bounded_rewards and getattr(getattr(environment, "rubric", None), "bounded", False)
-        self.rewards = rewards or RewardRunner(ec.name, ec.kwargs, timeout_s=ec.reward_timeout_s,
+        self.rewards = rewards or RewardRunner(ec.name, environment_kwargs(cfg), timeout_s=ec.reward_timeout_s,
                                                workers=ec.reward_workers, inline=environment if inline else None)
         self.ledger = Ledger(db, self.metrics, now, max_strikes=cfg.intake.max_strikes,
                              probation_groups=cfg.intake.probation_groups, session_ttl_s=cfg.identity.session_ttl_s)
