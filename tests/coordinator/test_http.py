@@ -28,6 +28,7 @@ STABLE_METRICS = {
     "veriroll_leases_issued_total": "counter",
     "veriroll_leases_expired_total": "counter",
     "veriroll_reward_errors_total": "counter",
+    "veriroll_sandbox_kills_total": "counter",
     "veriroll_request_seconds": "histogram",
     "veriroll_verification_seconds": "histogram",
     "veriroll_queue_depth": "gauge",
