@@ -50,8 +50,10 @@ from veriroll.coordinator.math_environment import DATA_FORMATS
 from veriroll.coordinator.sandbox import (
     BWRAP_MODE,
     UNSAFE_SUBPROCESS_MODE,
+    KillReason,
     SandboxLimits,
     SandboxPool,
+    SandboxResult,
     SandboxUnavailable,
 )
 
@@ -69,6 +71,9 @@ DEFAULT_INSTRUCTION = ("Write a complete Python 3 program that reads standard in
 DEFAULT_SANDBOX = {"mode": BWRAP_MODE, "pool_size": 4, "wall_s": 3.0, "cpu_s": 2, "memory_mb": 512, "processes": 16,
                    "output_bytes": 1 << 20}
 """The sandbox settings when none are given (the coordinator passes its ``[sandbox]`` section)."""
+REWARD_BUDGET_SHARE = 0.8
+"""Share of the reward's per-sample time limit the tests of a sample may take together: the rest is left for
+starting, comparing and answering, so the limit itself (which kills the reward worker) is never reached."""
 
 # ---------------------------------------------------------------------------------------------------
 # Code extraction and test verdicts
@@ -222,6 +227,9 @@ class CodeEnvironment(Environment):
     statement) and ``tests_column`` (see :func:`parse_tests`); None draws generated problems. ``split``,
     ``limit``, ``instruction`` as in the ``math`` environment. ``sandbox``: the coordinator's ``[sandbox]``
     section as a dict (mode, pool_size per scoring process, per-test limits); see :data:`DEFAULT_SANDBOX`.
+    ``time_budget_s``: the wall time all of one sample's tests may take together (the coordinator passes
+    :data:`REWARD_BUDGET_SHARE` of ``environment.reward_timeout_s``); tests still running then fail, counted
+    as ``timeout`` kills, so hanging programs never cost the reward worker its life. None: no budget.
     """
 
     def __init__(
@@ -235,6 +243,7 @@ class CodeEnvironment(Environment):
         instruction: str = DEFAULT_INSTRUCTION,
         max_new_tokens: int = 512,
         sandbox: dict | None = None,
+        time_budget_s: float | None = None,
         name: str = "code",
     ):
         if limit is not None and limit < 1:
@@ -245,6 +254,9 @@ class CodeEnvironment(Environment):
                                     memory_bytes=int(self.settings["memory_mb"]) << 20,
                                     processes=int(self.settings["processes"]),
                                     output_bytes=int(self.settings["output_bytes"]))
+        if time_budget_s is not None and time_budget_s <= 0:
+            raise EnvironmentLoadError(f"code environment: time_budget_s must be positive, got {time_budget_s}")
+        self.time_budget_s = time_budget_s
         self.instruction = instruction
         self.rows = None if data is None else _load_rows(str(data), prompt_column, tests_column, split, limit)
         self._prove_sandbox()
@@ -277,11 +289,11 @@ class CodeEnvironment(Environment):
         except ValueError as e:
             raise EnvironmentLoadError(f"code environment: {e}") from e
 
-    def _pool(self) -> SandboxPool:
+    def sandbox_pool(self) -> SandboxPool:
         """This thread's pool, created on first use: a pool's containers die with the thread that started
         them, so each thread that scores (one per reward worker process) has its own."""
         pool = getattr(self._local, "pool", None)
-        if pool is None:
+        if pool is None:  # a tool call of a multi-turn episode would run in this same pool
             pool = self._local.pool = SandboxPool(int(self.settings["pool_size"]), self.limits, mode=self.mode)
         return pool
 
@@ -300,20 +312,26 @@ class CodeEnvironment(Environment):
         """Whether each of the prompt's tests passed, each a run of the completion's program in the sandbox."""
         tests = parse_tests(prompt.answer, "prompt answer")
         code = extract_code(completion)
-        pool = self._pool()
+        pool = self.sandbox_pool()
 
-        async def all_tests():
-            return await asyncio.gather(*(pool.run(code, stdin=test["input"]) for test in tests))
+        async def all_tests() -> list[SandboxResult | None]:
+            runs = [asyncio.ensure_future(pool.run(code, stdin=test["input"])) for test in tests]
+            _, late = await asyncio.wait(runs, timeout=self.time_budget_s)
+            for run in late:  # a cancelled run kills its container and frees its slot (coordinator/sandbox.py)
+                run.cancel()
+            await asyncio.gather(*late, return_exceptions=True)
+            return [None if run in late else run.result() for run in runs]
 
         results = asyncio.run(all_tests())
         passed = []
         for test, result in zip(tests, results, strict=True):
-            if result.killed_reason is not None:
+            reason = KillReason.TIMEOUT if result is None else result.killed_reason
+            if reason is not None:
                 with self._kills_lock:
-                    self._kills[str(result.killed_reason)] += 1
+                    self._kills[str(reason)] += 1
             # The verdict is this process's comparison with an output the sandbox never saw; nothing the
             # program printed is read as a verdict.
-            passed.append(result.ok and output_matches(result.stdout, test["output"]))
+            passed.append(result is not None and result.ok and output_matches(result.stdout, test["output"]))
         return passed
 
     def tests_passed(self, prompt: Prompt, completion: str) -> float:

@@ -270,11 +270,15 @@ their ``sandbox`` argument, and refuse to start where it cannot isolate (unless 
 
 def environment_kwargs(cfg) -> dict:
     """The arguments the coordinator loads ``cfg.environment`` with: its ``kwargs``, plus ``sandbox`` (the
-    ``[sandbox]`` section) for an environment that runs model-written code. The one place every loader
+    ``[sandbox]`` section) and ``time_budget_s`` (a share of the reward's time limit) for an environment
+    that runs model-written code. The one place every loader
     (init, run, the reward workers) gets them from, so all load the same environment."""
     kwargs = dict(cfg.environment.kwargs)
     if cfg.environment.name in SANDBOXED_ENVIRONMENTS:
+        from veriroll.coordinator.code_environment import REWARD_BUDGET_SHARE
+
         kwargs["sandbox"] = cfg.sandbox.model_dump()
+        kwargs.setdefault("time_budget_s", REWARD_BUDGET_SHARE * cfg.environment.reward_timeout_s)
     return kwargs
 
 

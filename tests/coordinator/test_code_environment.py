@@ -10,6 +10,7 @@ import logging
 import random
 import shutil
 import tempfile
+import time
 from pathlib import Path
 
 import aiohttp
@@ -115,6 +116,21 @@ def test_one_hanging_test_fails_alone(env):
     env.take_sandbox_kills()
     assert env.reward(_prompt(env), hangs_on_ten) == 0.75
     assert sum(env.take_sandbox_kills().values()) == 1
+
+
+@needs_bwrap
+def test_a_samples_tests_stop_at_its_time_budget_and_count_as_timeouts(tmp_path):
+    """Eight hanging tests two at a time would take 4 x 2 s; the budget ends them all after 1.5 s."""
+    data = _problem_file(tmp_path, rows=[{"prompt": "Add.", "tests": ADD_TESTS * 2}])
+    environment = CodeEnvironment(data=str(data), sandbox={**SANDBOX, "pool_size": 2}, time_budget_s=1.5)
+    try:
+        started = time.monotonic()
+        assert environment.reward(_prompt(environment), LOOP) == 0.0
+        assert time.monotonic() - started < 3.0
+        assert environment.take_sandbox_kills() == {"timeout": 8}
+        assert environment.reward(_prompt(environment), CORRECT) == 1.0  # the pool serves on
+    finally:
+        environment.close()
 
 
 @needs_bwrap
@@ -315,3 +331,18 @@ def test_the_reward_runner_returns_each_groups_sandbox_kills(tmp_path):
         assert runner.score_group(prompt, [CORRECT]).sandbox_kills == {}
     finally:
         runner.close()
+
+
+def test_only_environments_that_run_code_get_the_sandbox_settings_and_a_status():
+    from veriroll.coordinator.config import CoordinatorConfig
+    from veriroll.coordinator.environments import environment_kwargs, sandbox_state
+
+    code = CoordinatorConfig.model_validate({"environment": {"name": "code", "kwargs": {"limit": 3},
+                                                             "reward_timeout_s": 10.0},
+                                             "sandbox": {"mode": "unsafe-subprocess", "pool_size": 2}})
+    kwargs = environment_kwargs(code)
+    assert kwargs["limit"] == 3 and kwargs["time_budget_s"] == 8.0
+    assert kwargs["sandbox"]["mode"] == "unsafe-subprocess" and kwargs["sandbox"]["pool_size"] == 2
+    assert sandbox_state(code) == {"mode": "unsafe-subprocess", "isolated": False}
+    math = CoordinatorConfig.model_validate({"environment": {"name": "math", "kwargs": {"limit": 3}}})
+    assert environment_kwargs(math) == {"limit": 3} and sandbox_state(math) is None
