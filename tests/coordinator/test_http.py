@@ -130,7 +130,8 @@ def test_status_api_reports_nodes_rejections_throughput_and_trainer_history(base
 
     traffic, data = run(scenario())
     assert set(data) == {"time_ms", "verification", "summary", "policy", "nodes_by_standing", "nodes", "rejections",
-                         "throughput", "staleness", "trainer", "trainer_history", "relays", "nodes_total"}
+                         "throughput", "staleness", "trainer", "trainer_history", "relays", "nodes_total", "sandbox"}
+    assert data["sandbox"] is None  # arithmetic runs no model-written code (test_code_environment: the code env)
     assert data["nodes_total"] == 3
     assert data["verification"] == "off"  # the test directories run with intake.verify = false
     assert data["summary"]["accepted_groups"] == 4 and data["summary"]["nodes"] == 3
