@@ -11,7 +11,8 @@ completion). Each test is one run of that program in the sandbox (coordinator/sa
 test's input as stdin. A test passes when the run ended on its own with status 0 and its stdout equals
 the expected output, compared line by line with trailing whitespace and trailing blank lines ignored.
 The reward is the share of tests passed. A run that hangs, crashes or exceeds a limit fails that test
-only: every test is its own container.
+only: every test is its own container. A sample's tests run at once (up to the pool's size) within a
+shared time budget, a share of the reward's time limit, so a hanging program never reaches that limit.
 
 Why stdin/stdout pairs and not assert snippets: a verdict must not be something the program can say
 about itself. Code run in the same interpreter as an ``assert`` can end the process with status 0 before
@@ -128,34 +129,39 @@ def parse_tests(value, where: str) -> list[dict]:
 
 
 # ---------------------------------------------------------------------------------------------------
-# Generated problems: (statement with {k}, the answer of a stdin given k, a stdin drawn with rng)
+# Generated problems
+
+
+_LETTERS = "abcdefgh"
 
 
 def _words(rng: random.Random) -> str:
-    return " ".join("".join(rng.choice("abcdefgh") for _ in range(rng.randint(1, 6))) for _ in range(rng.randint(1, 5)))
+    return " ".join("".join(rng.choice(_LETTERS) for _ in range(rng.randint(1, 6))) for _ in range(rng.randint(1, 5)))
 
 
 def _numbers(rng: random.Random) -> str:
     return " ".join(str(rng.randint(-50, 50)) for _ in range(rng.randint(1, 8)))
 
 
-_PROBLEMS = (
-    ("The input is one integer n. Print n + {k}.", lambda s, k: str(int(s) + k),
+_WIDE, _FEW = (1, 99), (2, 9)  # the range of a problem's k: wide where any k reads well, few for repeats
+
+_PROBLEMS = (  # (statement with {k} or {letter}, range of k, the answer to a stdin given k, a stdin drawn with rng)
+    ("The input is one integer n. Print n + {k}.", _WIDE, lambda s, k: str(int(s) + k),
      lambda rng: str(rng.randint(-100, 100))),
-    ("The input is one integer n. Print n * {k}.", lambda s, k: str(int(s) * k),
+    ("The input is one integer n. Print n * {k}.", _WIDE, lambda s, k: str(int(s) * k),
      lambda rng: str(rng.randint(-100, 100))),
-    ("The input is two integers a and b on one line. Print a + b + {k}.",
+    ("The input is two integers a and b on one line. Print a + b + {k}.", _WIDE,
      lambda s, k: str(sum(map(int, s.split())) + k), lambda rng: f"{rng.randint(-99, 99)} {rng.randint(-99, 99)}"),
-    ("The input is one line of integers separated by spaces. Print the largest of them plus {k}.",
+    ("The input is one line of integers separated by spaces. Print the largest of them plus {k}.", _WIDE,
      lambda s, k: str(max(map(int, s.split())) + k), _numbers),
-    ("The input is one line of integers separated by spaces. Print how many of them are greater than {k}.",
+    ("The input is one line of integers separated by spaces. Print how many of them are greater than {k}.", _WIDE,
      lambda s, k: str(sum(int(x) > k for x in s.split())), _numbers),
-    ("The input is one line of text. Print it reversed, then the number {k} on the next line.",
+    ("The input is one line of text. Print it reversed, then the number {k} on the next line.", _WIDE,
      lambda s, k: f"{s[::-1]}\n{k}", _words),
-    ("The input is one line of text. Print it {k} times, each on its own line.",
+    ("The input is one line of text. Print it {k} times, each on its own line.", _FEW,
      lambda s, k: "\n".join([s] * k), _words),
-    ("The input is one line of lowercase words. Print how many times the letter '{letter}' occurs in it.",
-     lambda s, k: str(s.count("abcdefgh"[k % 8])), _words),
+    ("The input is one line of lowercase words. Print how many times the letter '{letter}' occurs in it.", _FEW,
+     lambda s, k: str(s.count(_LETTERS[k % 8])), _words),
 )
 TESTS_PER_GENERATED_PROBLEM = 4
 
@@ -164,9 +170,9 @@ def generated_problem(rng: random.Random) -> tuple[str, list[dict], dict]:
     """(statement, tests, meta) of an easy stdin/stdout problem, drawn with ``rng`` only (a seed reproduces
     it): one of a few kinds, each with a parameter ``k`` in the statement, so prompts are many and distinct."""
     kind = rng.randrange(len(_PROBLEMS))
-    statement, answer, draw = _PROBLEMS[kind]
-    k = rng.randint(2, 9) if "times" in statement else rng.randint(1, 99)
-    text = statement.format(k=k, letter="abcdefgh"[k % 8])
+    statement, (low, high), answer, draw = _PROBLEMS[kind]
+    k = rng.randint(low, high)
+    text = statement.format(k=k, letter=_LETTERS[k % 8])
     inputs = [draw(rng) for _ in range(TESTS_PER_GENERATED_PROBLEM)]
     tests = [{"input": s + "\n", "output": answer(s, k) + "\n"} for s in inputs]
     example = tests[0]
