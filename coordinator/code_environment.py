@@ -173,10 +173,10 @@ def generated_problem(rng: random.Random) -> tuple[str, list[dict], dict]:
     statement, (low, high), answer, draw = _PROBLEMS[kind]
     k = rng.randint(low, high)
     text = statement.format(k=k, letter=_LETTERS[k % 8])
-    inputs = [draw(rng) for _ in range(TESTS_PER_GENERATED_PROBLEM)]
+    # The example is not one of the tests: a program that hard-codes it gains nothing.
+    example, *inputs = [draw(rng) for _ in range(TESTS_PER_GENERATED_PROBLEM + 1)]
     tests = [{"input": s + "\n", "output": answer(s, k) + "\n"} for s in inputs]
-    example = tests[0]
-    text += f"\n\nExample input:\n{example['input']}Example output:\n{example['output']}"
+    text += f"\n\nExample input:\n{example}\nExample output:\n{answer(example, k)}\n"
     return text, tests, {"kind": kind, "k": k}
 
 
