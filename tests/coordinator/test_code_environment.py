@@ -9,6 +9,7 @@ import json
 import logging
 import random
 import shutil
+import signal
 import tempfile
 import time
 from pathlib import Path
@@ -274,7 +275,12 @@ def test_a_coordinator_refuses_to_start_without_isolation_and_shows_the_weaker_m
     base = _code_coordinator_dir(tmp_path, "bwrap")
     with pytest.raises(EnvironmentLoadError, match="unsafe-subprocess"):
         asyncio.run(start_coordinator(base))
-    assert main(["coordinator", "run", "--dir", str(base)]) == 2
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        assert main(["coordinator", "run", "--dir", str(base)]) == 2
+    finally:  # `run` installs its stop handlers: give pytest its own back
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
     assert "unsafe-subprocess" in capsys.readouterr().err
 
     caplog.set_level(logging.WARNING, logger="veriroll.coordinator")
