@@ -59,23 +59,27 @@ from __future__ import annotations
 
 from veriroll.coordinator.trainer.batch import (
     GroupRecord,
+    PackedRow,
     RolloutBatch,
     SampleRecord,
     build_batch,
     load_groups,
     micro_batches,
+    pack_rows,
     select_groups,
 )
 from veriroll.coordinator.trainer.distributed import distributed_train_step, shard_batch, wrap_distributed
 from veriroll.coordinator.trainer.loop import HISTORY_CAP, HISTORY_KEY, StepOutcome, Trainer
 from veriroll.coordinator.trainer.step import (
     autocast_dtype,
+    check_packing_attention,
     completion_logprobs,
     set_gradient_checkpointing,
     train_step,
 )
 from veriroll.coordinator.trainer.weights import (
     ADAM_BETAS,
+    attention_for,
     build_optimizer,
     load_training_model,
     measure_publish,
@@ -87,19 +91,23 @@ __all__ = [
     "HISTORY_CAP",
     "HISTORY_KEY",
     "GroupRecord",
+    "PackedRow",
     "RolloutBatch",
     "SampleRecord",
     "StepOutcome",
     "Trainer",
+    "attention_for",
     "autocast_dtype",
     "build_batch",
     "build_optimizer",
+    "check_packing_attention",
     "completion_logprobs",
     "distributed_train_step",
     "load_groups",
     "load_training_model",
     "measure_publish",
     "micro_batches",
+    "pack_rows",
     "select_groups",
     "set_gradient_checkpointing",
     "shard_batch",
