@@ -217,7 +217,7 @@ class TrainerConfig(_Section):
                           "false: the padded path")
     attn_implementation: str = Field("auto", description="attention kernel of the trainer's model (transformers' "
                                      "attn_implementation): 'auto' is flash_attention_2 on CUDA where flash-attn is "
-                                     "installed, else sdpa")
+                                     "installed, else transformers' default (sdpa where the model supports it, else eager)")
     gradient_checkpointing: bool = Field(False, description="recompute each decoder layer's activations in the backward pass instead of keeping them: less memory for about one more forward of compute")
     autocast: Autocast = Field("auto", description="bf16 autocast of the forward/backward (weights and optimizer stay float32): 'auto' is on for CUDA with bf16 and off on CPU (measured: ~4% log-prob noise in the PPO ratio), 'bfloat16' forces it on any device, 'off' never")
 

@@ -214,6 +214,6 @@ def pack_rows(batch: RolloutBatch) -> PackedRow:
     lengths = batch.attention_mask.sum(1)
     real = batch.attention_mask.bool()
     starts = torch.cumsum(lengths, 0) - lengths
-    position_ids = torch.cat([torch.arange(int(n)) for n in lengths.tolist()])
+    position_ids = torch.arange(int(lengths.sum()), device=lengths.device) - starts.repeat_interleave(lengths)
     return PackedRow(input_ids=batch.input_ids[real][None], position_ids=position_ids[None],
                      index=batch.positions + starts[:, None])

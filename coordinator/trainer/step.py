@@ -43,18 +43,33 @@ def completion_logprobs(model: torch.nn.Module, batch: RolloutBatch, *,
     # No KV cache: training reads every position once, and a cache would only hold memory (and a cache
     # would also switch transformers' packed-sequence detection off).
     if packed:
-        check_packing_attention(model)
-        row = pack_rows(batch)
-        logits = model(input_ids=row.input_ids, position_ids=row.position_ids, use_cache=False).logits[0]
-        picked = logits[row.index].float()
-    else:
-        logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False).logits
-        vocab = logits.shape[-1]
-        picked = logits.gather(1, batch.positions[..., None].expand(-1, -1, vocab)).float()
+        return _packed_logprobs(model, batch)
+    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False).logits
+    vocab = logits.shape[-1]
+    picked = logits.gather(1, batch.positions[..., None].expand(-1, -1, vocab)).float()
     logp_all = F.log_softmax(picked / batch.temperature[:, None, None], dim=-1)
     logp = logp_all.gather(-1, batch.completion_ids[..., None]).squeeze(-1)
     with torch.no_grad():
         entropy = -(logp_all.exp() * logp_all).sum(-1)
+    return logp, entropy
+
+
+def _packed_logprobs(model: torch.nn.Module, batch: RolloutBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`completion_logprobs` of a packed forward. The softmax is taken at the real completion tokens
+    only: a packed micro-batch mixes lengths, and ``[B, T, vocab]`` over its longest completion would spend
+    most of its time on padding; the positions outside ``response_mask`` come back 0, as the loss ignores."""
+    check_packing_attention(model)
+    row = pack_rows(batch)
+    logits = model(input_ids=row.input_ids, position_ids=row.position_ids, use_cache=False).logits[0]
+    real = batch.response_mask
+    temperature = batch.temperature[:, None].expand_as(real)[real]
+    logp_all = F.log_softmax(logits[row.index[real]].float() / temperature[:, None], dim=-1)  # [tokens, vocab]
+    where = real.nonzero(as_tuple=True)
+    logp = logits.new_zeros(real.shape, dtype=torch.float32).index_put(
+        where, logp_all.gather(-1, batch.completion_ids[real][:, None]).squeeze(-1))
+    with torch.no_grad():
+        entropy = torch.zeros(real.shape, dtype=torch.float32, device=real.device).index_put(
+            where, -(logp_all.exp() * logp_all).sum(-1))
     return logp, entropy
 
 

@@ -16,17 +16,18 @@ __all__ = ["ADAM_BETAS", "attention_for", "build_optimizer", "load_training_mode
 ADAM_BETAS = (0.9, 0.99)  # as in the measured tiny-GRPO recipe (benchmarks/warm_start.py)
 
 
-def attention_for(setting: str, device: torch.device | str = "cpu") -> str:
+def attention_for(setting: str, device: torch.device | str = "cpu") -> str | None:
     """The attention implementation ``trainer.attn_implementation`` names on ``device``: 'auto' is
     flash_attention_2 on CUDA where the flash-attn package is installed (its varlen kernel runs packed rows
-    without a mask), else sdpa (a block-diagonal mask when packed); any other name is taken as it is."""
+    without a mask), else ``None``: transformers' default, sdpa where the model supports it and eager where
+    not (both confine packed samples by a block-diagonal mask). Any other name is taken as it is."""
     if setting != "auto":
         return setting
     import importlib.util
 
     if torch.device(device).type == "cuda" and importlib.util.find_spec("flash_attn") is not None:
         return "flash_attention_2"
-    return "sdpa"
+    return None
 
 
 def load_training_model(version_dir: str | Path, *, attn_implementation: str = "auto",
@@ -43,8 +44,10 @@ def load_training_model(version_dir: str | Path, *, attn_implementation: str = "
     transformers.utils.logging.disable_progress_bar()
 
     major = int(transformers.__version__.split(".")[0])
-    kwargs = {"dtype" if major >= 5 else "torch_dtype": torch.float32,
-              "attn_implementation": attention_for(attn_implementation, "cpu")}
+    kwargs = {"dtype" if major >= 5 else "torch_dtype": torch.float32}
+    attention = attention_for(attn_implementation, "cpu")
+    if attention is not None:
+        kwargs["attn_implementation"] = attention
     model = transformers.AutoModelForCausalLM.from_pretrained(str(version_dir), **kwargs)
     if packing:
         check_packing_attention(model)
