@@ -9,11 +9,13 @@ PPO ratio starts at 1). It runs the step's forward and backward over all micro-b
 each, their ratio, and how far the packed per-token log-probs and the step's loss are from the padded ones
 (with the padded path's own float32 noise for scale).
 
-The gain is the padding the padded path carries, less what a long packed row costs: on CPU the sdpa kernel
-computes a packed row's whole N x N attention, masked blocks too. Measured on 2 busy cores (24 samples):
-1.27x at 512 (the padded rows carried 1.16x the real tokens), 1.62x at 1024 (1.31x), 1.06x at 2048 (1.56x,
-but packed rows of 2048 tokens ran at 70% of the speed of rows of 1024). With flash-attention's varlen kernel (CUDA)
-masked blocks cost nothing.
+The gain is the padding the padded path carries (it already groups rows by length), less what a long
+packed row costs: on CPU the sdpa kernel computes a packed row's whole N x N attention, masked blocks too.
+Measured on SmolLM2, 24 samples, 1 thread, tokens per CPU-second, best of 2-3 on 2 shared cores: 1.14x at
+``micro_batch_tokens`` 512 (the padded rows carried 1.16x the real tokens), 1.18x at 1024 (1.31x), 1.06x
+at 2048 (1.56x, but packed rows of ~2048 tokens run slower per token). Wall-clock ratios on the loaded
+machine ranged from 0.83x to 1.9x for the same settings, hence CPU seconds. Flash-attention's varlen
+kernel (CUDA) spends nothing on masked blocks; not measured here.
 
     .venv/bin/python benchmarks/trainer_hw.py --quick        # 24 samples, best of 3, ~6 minutes on 2 busy cores
     .venv/bin/python benchmarks/trainer_hw.py --full         # 64 samples
