@@ -10,7 +10,7 @@ import ipaddress
 from typing import Literal
 
 from packaging.version import InvalidVersion, Version
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from veriroll.protos.pow import DEFAULT_BITS
 from veriroll.protos.version import SOFTWARE_VERSION
@@ -25,6 +25,14 @@ Correction = Literal["mixed", "decoupled"]
 Autocast = Literal["auto", "bfloat16", "off"]
 Role = Literal["all", "edge", "trainer", "verifier"]
 ModelDtype = Literal["float32", "bfloat16", "float16"]
+
+# The attention implementations (transformers' ``attn_implementation``) that confine attention to each sample
+# of a packed row when the position ids restart at 0 per sample and no 2-D mask is given: sdpa and eager get
+# a block-diagonal causal mask (transformers' masking_utils.find_packed_sequence_indices), flash-attention
+# runs its variable-length kernel on cu_seqlens taken from the position ids (one row per forward). Anything
+# else (a custom kernel registered with AttentionInterface, paged attention) would let samples attend to
+# each other, so ``trainer.packing`` refuses it. 'auto' resolves to one of these (trainer/weights.py).
+PACKING_ATTENTION = ("auto", "sdpa", "eager", "flash_attention_2", "flash_attention_3")
 
 
 class _Section(BaseModel):
@@ -199,9 +207,29 @@ class TrainerConfig(_Section):
     target_reward: float = Field(0.0, description="stop training once the running mean reward reaches this (0: never)")
     target_window: int = Field(5, ge=1, description="steps in the running mean reward compared with target_reward")
     threads: int = Field(1, ge=1, description="torch threads for training")
-    micro_batch_tokens: int = Field(2048, ge=1, description="most padded tokens (rows x longest row) per forward/backward; a step is split by length into micro-batches")
+    micro_batch_tokens: int = Field(2048, ge=1, description="tokens per forward/backward: with packing, the real "
+                                    "tokens (prompt + completion) packed into one row, a longer sample getting a row of "
+                                    "its own; without, the padded tokens (rows x longest row) of a micro-batch")
+    packing: bool = Field(True, description="pack several samples into one row per micro-batch (position ids restart "
+                          "per sample, attention confined to each sample) instead of padding every row to the "
+                          "longest: same log-probs and loss, less compute on heavy-tailed lengths. Needs an "
+                          "attn_implementation that confines attention (auto, sdpa, eager, flash_attention_2/3); "
+                          "false: the padded path")
+    attn_implementation: str = Field("auto", description="attention kernel of the trainer's model (transformers' "
+                                     "attn_implementation): 'auto' is flash_attention_2 on CUDA where flash-attn is "
+                                     "installed, else transformers' default (sdpa where the model supports it, else eager)")
     gradient_checkpointing: bool = Field(False, description="recompute each decoder layer's activations in the backward pass instead of keeping them: less memory for about one more forward of compute")
     autocast: Autocast = Field("auto", description="bf16 autocast of the forward/backward (weights and optimizer stay float32): 'auto' is on for CUDA with bf16 and off on CPU (measured: ~4% log-prob noise in the PPO ratio), 'bfloat16' forces it on any device, 'off' never")
+
+    @model_validator(mode="after")
+    def _packing_confines_attention(self) -> TrainerConfig:
+        if self.packing and self.attn_implementation not in PACKING_ATTENTION:
+            raise ValueError(
+                f"trainer.packing = true needs an attention implementation that confines attention to each "
+                f"packed sample ({', '.join(PACKING_ATTENTION)}); trainer.attn_implementation = "
+                f"{self.attn_implementation!r} would let samples attend to each other. Set trainer.packing = "
+                f"false (the padded path) or choose one of those")
+        return self
 
 
 class ShardcastConfig(_Section):

@@ -28,10 +28,21 @@ reused: the next version is one past both kv ``policy_version`` and the newest d
 Diagnostics are computed where the step computes their ingredients (CleanRL style) and go three
 ways: the ``veriroll_trainer{metric=...}`` gauge, one log line, and kv ``trainer_history``.
 
-A step's batch is split by length into micro-batches (``micro_batch_tokens``) whose gradients add up:
-each backpropagates its unnormalized Σ per_token·w, and the summed gradient is divided by the step's
-max(Σw, 1) once at the end, so the split changes nothing but the padding (heavy-tailed completions
-would otherwise pad every row to the longest one).
+A step's batch is split into micro-batches (``micro_batch_tokens``) whose gradients add up: each
+backpropagates its unnormalized Σ per_token·w, and the summed gradient is divided by the step's
+max(Σw, 1) once at the end, so the split changes nothing but the layout.
+
+Sequence packing (``trainer.packing``, on by default): a micro-batch holds up to ``micro_batch_tokens``
+real tokens (first-fit, longest sample first; a longer sample gets a row of its own) and its forward lays
+the samples end to end in one row (``batch.pack_rows``), position ids restarting at 0 at every sample and
+no 2-D mask: transformers' packed-sequence format, in which sdpa and eager attend through a block-diagonal
+causal mask built from the position ids, and flash-attention (``attn_implementation`` 'auto' on CUDA with
+flash-attn installed) runs its varlen kernel on the cu_seqlens they imply. The log-probs come back per
+sample, in the batch's rows, so the loss, masks, advantages and importance weights are untouched. Heavy
+tails then cost their real tokens instead of every row padded to its micro-batch's longest. An attention
+implementation that cannot confine attention to each sample is refused when the config is loaded and
+again when the model is (``check_packing_attention``); ``trainer.packing = false`` is the padded path:
+micro-batches of at most ``micro_batch_tokens`` padded tokens (rows × longest row), rows grouped by length.
 
 Memory and numerics: the trainer holds float32 master weights and float32 AdamW state, whatever dtype
 version 0 is stored in (``load_training_model``). ``gradient_checkpointing`` recomputes each decoder
@@ -59,23 +70,27 @@ from __future__ import annotations
 
 from veriroll.coordinator.trainer.batch import (
     GroupRecord,
+    PackedRow,
     RolloutBatch,
     SampleRecord,
     build_batch,
     load_groups,
     micro_batches,
+    pack_rows,
     select_groups,
 )
 from veriroll.coordinator.trainer.distributed import distributed_train_step, shard_batch, wrap_distributed
 from veriroll.coordinator.trainer.loop import HISTORY_CAP, HISTORY_KEY, StepOutcome, Trainer
 from veriroll.coordinator.trainer.step import (
     autocast_dtype,
+    check_packing_attention,
     completion_logprobs,
     set_gradient_checkpointing,
     train_step,
 )
 from veriroll.coordinator.trainer.weights import (
     ADAM_BETAS,
+    attention_for,
     build_optimizer,
     load_training_model,
     measure_publish,
@@ -87,19 +102,23 @@ __all__ = [
     "HISTORY_CAP",
     "HISTORY_KEY",
     "GroupRecord",
+    "PackedRow",
     "RolloutBatch",
     "SampleRecord",
     "StepOutcome",
     "Trainer",
+    "attention_for",
     "autocast_dtype",
     "build_batch",
     "build_optimizer",
+    "check_packing_attention",
     "completion_logprobs",
     "distributed_train_step",
     "load_groups",
     "load_training_model",
     "measure_publish",
     "micro_batches",
+    "pack_rows",
     "select_groups",
     "set_gradient_checkpointing",
     "shard_batch",

@@ -2,7 +2,8 @@
 
 ``select_groups`` sorts the queue into fresh and stale by staleness, ``load_groups`` reads the chosen groups
 with their samples, ``build_batch`` turns them into one right-padded :class:`RolloutBatch` (group-relative
-advantages; groups without a learning signal left out), and ``micro_batches`` splits it by length.
+advantages; groups without a learning signal left out), ``micro_batches`` splits it by length, and
+``pack_rows`` lays a micro-batch's samples end to end in one row for a packed forward.
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ import torch
 from veriroll.coordinator import store as st
 from veriroll.coordinator.advantages import group_advantages
 
-__all__ = ["GroupRecord", "RolloutBatch", "SampleRecord", "build_batch", "load_groups", "micro_batches", "select_groups"]
+__all__ = ["GroupRecord", "PackedRow", "RolloutBatch", "SampleRecord", "build_batch", "load_groups", "micro_batches", "pack_rows",
+           "select_groups"]
 
 
 @dataclass
@@ -154,19 +156,34 @@ def build_batch(groups: list[GroupRecord], staleness: list[int], *, std_scale: b
     return batch, keep_t
 
 
-def micro_batches(batch: RolloutBatch, max_tokens: int) -> list[RolloutBatch]:
-    """``batch`` split into micro-batches of at most ``max_tokens`` padded tokens (rows × longest row;
-    a longer row goes alone), rows grouped by length and each micro-batch trimmed to its own longest
-    row: heavy-tailed completions no longer pad every short row to the longest one."""
+def micro_batches(batch: RolloutBatch, max_tokens: int, *, packing: bool = False) -> list[RolloutBatch]:
+    """``batch`` split into micro-batches, each trimmed to its own longest row.
+
+    Padded (``packing=False``): at most ``max_tokens`` padded tokens (rows × longest row; a longer row goes
+    alone), rows grouped by length, so heavy-tailed completions no longer pad every short row to the
+    longest one. Packed: at most ``max_tokens`` real tokens (prompt + completion) per micro-batch, first-fit
+    over the samples longest first (a longer sample goes alone); the forward packs each micro-batch into one
+    row (:func:`pack_rows`)."""
     lengths = batch.attention_mask.sum(1)
-    order = torch.argsort(lengths, stable=True).tolist()
     chunks: list[list[int]] = []
-    for row in order:
-        width = int(lengths[row])
-        if chunks and (len(chunks[-1]) + 1) * width <= max_tokens:
-            chunks[-1].append(row)  # rows come shortest first: this row is the chunk's longest
-        else:
-            chunks.append([row])
+    if packing:
+        loads: list[int] = []
+        for row in torch.argsort(lengths, descending=True, stable=True).tolist():
+            width = int(lengths[row])
+            fit = next((i for i, load in enumerate(loads) if load + width <= max_tokens), None)
+            if fit is None:
+                chunks.append([row])
+                loads.append(width)
+            else:
+                chunks[fit].append(row)
+                loads[fit] += width
+    else:
+        for row in torch.argsort(lengths, stable=True).tolist():
+            width = int(lengths[row])
+            if chunks and (len(chunks[-1]) + 1) * width <= max_tokens:
+                chunks[-1].append(row)  # rows come shortest first: this row is the chunk's longest
+            else:
+                chunks.append([row])
     out = []
     for rows in chunks:
         mb = batch.select(torch.tensor(rows))
@@ -178,3 +195,25 @@ def micro_batches(batch: RolloutBatch, max_tokens: int) -> list[RolloutBatch]:
             temperature=mb.temperature, logp_behavior=mb.logp_behavior[:, :T], logp_trusted=mb.logp_trusted[:, :T],
             has_trusted=mb.has_trusted, advantages=mb.advantages, staleness=mb.staleness, rewards=mb.rewards))
     return out
+
+
+@dataclass
+class PackedRow:
+    """The samples of a micro-batch end to end in one row: ``input_ids`` and ``position_ids`` ``[1, N]``, N
+    the real tokens, with the position ids restarting at 0 at every sample (what tells the attention where
+    one sample ends); ``index[b, t]`` is the column of that row whose logits predict completion token t of
+    sample b (the padded ``positions[b, t]`` shifted by the sample's start)."""
+
+    input_ids: torch.Tensor  # long [1, N]
+    position_ids: torch.Tensor  # long [1, N]
+    index: torch.Tensor  # long [B, T]
+
+
+def pack_rows(batch: RolloutBatch) -> PackedRow:
+    """``batch``'s samples packed into one row (padding dropped), in row order."""
+    lengths = batch.attention_mask.sum(1)
+    real = batch.attention_mask.bool()
+    starts = torch.cumsum(lengths, 0) - lengths
+    position_ids = torch.arange(int(lengths.sum()), device=lengths.device) - starts.repeat_interleave(lengths)
+    return PackedRow(input_ids=batch.input_ids[real][None], position_ids=position_ids[None],
+                     index=batch.positions + starts[:, None])

@@ -67,7 +67,7 @@ def distributed_train_step(model: torch.nn.Module, optimizer: torch.optim.Optimi
     model.train()
     optimizer.zero_grad(set_to_none=True)
     no_sync = getattr(model, "no_sync", None)
-    parts = micro_batches(local, cfg.micro_batch_tokens) if no_sync is not None else [local]
+    parts = micro_batches(local, cfg.micro_batch_tokens, packing=cfg.packing) if no_sync is not None else [local]
     sums = accumulate(model, parts, cfg, s_max, ref_model, no_sync=no_sync)
     keys = sorted(sums)
     totals = torch.tensor([float(sums[k]) for k in keys], dtype=torch.float64)

@@ -125,7 +125,8 @@ class Trainer:
     # -- start -------------------------------------------------------------------------------------
 
     def _load_model(self, version: int) -> torch.nn.Module:
-        return load_training_model(self.policy_store.version_dir(version))
+        return load_training_model(self.policy_store.version_dir(version),
+                                   attn_implementation=self.tcfg.attn_implementation, packing=self.tcfg.packing)
 
     def resume(self) -> None:
         """Load the newest complete training state (or start at step 0 from the oldest version on disk,

@@ -1,5 +1,6 @@
 """One optimizer step on a batch: log-probs at the lease temperature, the async PPO loss summed over
-micro-batches, one normalization by the step's Σw, gradient clipping, AdamW.
+micro-batches (packed: several samples per row; or padded), one normalization by the step's Σw, gradient
+clipping, AdamW.
 
 Each micro-batch backpropagates its unnormalized Σ per_token·w (:func:`accumulate`); the summed gradient is
 divided by max(Σw, 1) of the whole step once (:func:`scale_gradients`), so the split changes nothing but the
@@ -15,25 +16,34 @@ import math
 import torch
 import torch.nn.functional as F
 
-from veriroll.coordinator.config import TrainerConfig
+from veriroll.coordinator.config import PACKING_ATTENTION, TrainerConfig
 from veriroll.coordinator.loss import async_ppo_loss
-from veriroll.coordinator.trainer.batch import RolloutBatch, micro_batches
+from veriroll.coordinator.trainer.batch import RolloutBatch, micro_batches, pack_rows
 
-__all__ = ["accumulate", "apply_update", "autocast_dtype", "completion_logprobs", "scale_gradients",
+__all__ = ["accumulate", "apply_update", "autocast_dtype", "check_packing_attention", "completion_logprobs", "scale_gradients",
            "set_gradient_checkpointing", "step_means", "train_step"]
 
 log = logging.getLogger("veriroll.trainer")
 
 
-def completion_logprobs(model: torch.nn.Module, batch: RolloutBatch) -> tuple[torch.Tensor, torch.Tensor]:
+def completion_logprobs(model: torch.nn.Module, batch: RolloutBatch, *,
+                        packed: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-probs ``[B, T]`` of the sampled tokens under ``softmax(logits / T)`` (with gradient), and the
     per-token entropy ``[B, T]`` of that distribution (detached).
 
-    Padding is masked by ``attention_mask`` alone, never by comparing ids with the pad id: real
-    tokenizers often pad with EOS (SmolLM2: pad = eos = 2), which is also the last token of a completion.
-    The softmax is taken in float32 even when the forward ran under bf16 autocast.
+    Padded: one row per sample, padding masked by ``attention_mask`` alone, never by comparing ids with the
+    pad id: real tokenizers often pad with EOS (SmolLM2: pad = eos = 2), which is also the last token of a
+    completion. Packed (``packed=True``): the samples end to end in one row (:func:`pack_rows`), position
+    ids restarting at 0 per sample and no 2-D mask, which is transformers' packed-sequence format: sdpa and
+    eager build a block-diagonal causal mask from the position ids, flash-attention runs its varlen kernel on
+    the cu_seqlens they imply. Either way the result is per sample, in ``batch``'s rows: the loss, masks,
+    advantages and importance weights downstream are the same tensors. The softmax is taken in float32 even
+    when the forward ran under bf16 autocast.
     """
-    # No KV cache: training reads every position once, and a cache would only hold memory.
+    # No KV cache: training reads every position once, and a cache would only hold memory (and a cache
+    # would also switch transformers' packed-sequence detection off).
+    if packed:
+        return _packed_logprobs(model, batch)
     logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False).logits
     vocab = logits.shape[-1]
     picked = logits.gather(1, batch.positions[..., None].expand(-1, -1, vocab)).float()
@@ -42,6 +52,36 @@ def completion_logprobs(model: torch.nn.Module, batch: RolloutBatch) -> tuple[to
     with torch.no_grad():
         entropy = -(logp_all.exp() * logp_all).sum(-1)
     return logp, entropy
+
+
+def _packed_logprobs(model: torch.nn.Module, batch: RolloutBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`completion_logprobs` of a packed forward. The softmax is taken at the real completion tokens
+    only: a packed micro-batch mixes lengths, and ``[B, T, vocab]`` over its longest completion would spend
+    most of its time on padding; the positions outside ``response_mask`` come back 0, as the loss ignores."""
+    check_packing_attention(model)
+    row = pack_rows(batch)
+    logits = model(input_ids=row.input_ids, position_ids=row.position_ids, use_cache=False).logits[0]
+    real = batch.response_mask
+    temperature = batch.temperature[:, None].expand_as(real)[real]
+    logp_all = F.log_softmax(logits[row.index[real]].float() / temperature[:, None], dim=-1)  # [tokens, vocab]
+    where = real.nonzero(as_tuple=True)
+    logp = logits.new_zeros(real.shape, dtype=torch.float32).index_put(
+        where, logp_all.gather(-1, batch.completion_ids[real][:, None]).squeeze(-1))
+    with torch.no_grad():
+        entropy = torch.zeros(real.shape, dtype=torch.float32, device=real.device).index_put(
+            where, -(logp_all.exp() * logp_all).sum(-1))
+    return logp, entropy
+
+
+def check_packing_attention(model: torch.nn.Module) -> None:
+    """Raise ``ValueError`` unless ``model`` (maybe DDP-wrapped) runs an attention implementation that
+    confines attention to each sample of a packed row (``config.PACKING_ATTENTION``)."""
+    inner = getattr(model, "module", model)
+    name = getattr(getattr(inner, "config", None), "_attn_implementation", None)
+    if name not in PACKING_ATTENTION or name == "auto":
+        raise ValueError(f"packed micro-batches need an attention implementation that confines attention to each "
+                         f"sample ({', '.join(a for a in PACKING_ATTENTION if a != 'auto')}); this model runs "
+                         f"{name!r}: set trainer.packing = false or load it with one of those")
 
 
 def _loss_kwargs(cfg: TrainerConfig, s_max: int, batch: RolloutBatch) -> dict:
@@ -57,11 +97,11 @@ def _loss_kwargs(cfg: TrainerConfig, s_max: int, batch: RolloutBatch) -> dict:
 def _step_sums(model, batch: RolloutBatch, cfg: TrainerConfig, s_max: int, ref_model) -> tuple[torch.Tensor, dict]:
     """This micro-batch's share of the step: Σ per_token·w (negated, with graph) and the diagnostics as
     weighted sums, ready to be added across micro-batches and ranks (``step_means`` turns them into means)."""
-    logp, entropy = completion_logprobs(model, batch)
+    logp, entropy = completion_logprobs(model, batch, packed=cfg.packing)
     logp_ref = None
     if cfg.kl_coef != 0.0:
         with torch.no_grad():
-            logp_ref, _ = completion_logprobs(ref_model, batch)
+            logp_ref, _ = completion_logprobs(ref_model, batch, packed=cfg.packing)
     loss, m = async_ppo_loss(logp, batch.logp_behavior, batch.advantages, batch.response_mask, batch.staleness,
                              logp_ref=logp_ref, **_loss_kwargs(cfg, s_max, batch))
     mask = batch.response_mask.float()
@@ -182,11 +222,13 @@ def scale_gradients(model: torch.nn.Module, factor: float) -> None:
 
 def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: RolloutBatch, cfg: TrainerConfig,
                s_max: int, *, ref_model: torch.nn.Module | None = None) -> dict:
-    """One optimizer step on ``batch`` (in micro-batches of ``cfg.micro_batch_tokens``); returns the step's
-    diagnostics (loss, approx_kl, clipfrac, entropy, mismatch_kl, grad_norm, ...)."""
+    """One optimizer step on ``batch`` (in micro-batches of ``cfg.micro_batch_tokens``, packed or padded as
+    ``cfg.packing`` says); returns the step's diagnostics (loss, approx_kl, clipfrac, entropy, mismatch_kl,
+    grad_norm, ...)."""
     model.train()
     optimizer.zero_grad(set_to_none=True)
-    sums = accumulate(model, micro_batches(batch, cfg.micro_batch_tokens), cfg, s_max, ref_model)
+    parts = micro_batches(batch, cfg.micro_batch_tokens, packing=cfg.packing)
+    sums = accumulate(model, parts, cfg, s_max, ref_model)
     # The gradients hold ∇ of the summed loss; the loss is that sum over max(Σw, 1) of the whole step.
     scale_gradients(model, 1.0 / max(sums["tokens_used"], 1.0))
     return apply_update(model, optimizer, cfg, step_means(sums))

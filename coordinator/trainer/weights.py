@@ -9,23 +9,48 @@ from pathlib import Path
 import torch
 
 from veriroll.coordinator.config import TrainerConfig
+from veriroll.coordinator.trainer.step import check_packing_attention
 
-__all__ = ["ADAM_BETAS", "build_optimizer", "load_training_model", "measure_publish", "write_policy_version"]
+__all__ = ["ADAM_BETAS", "attention_for", "build_optimizer", "load_training_model", "measure_publish", "write_policy_version"]
 
 ADAM_BETAS = (0.9, 0.99)  # as in the measured tiny-GRPO recipe (benchmarks/warm_start.py)
 
 
-def load_training_model(version_dir: str | Path) -> torch.nn.Module:
+def attention_for(setting: str, device: torch.device | str = "cpu") -> str | None:
+    """The attention implementation ``trainer.attn_implementation`` names on ``device``: 'auto' is
+    flash_attention_2 on CUDA where the flash-attn package is installed (its varlen kernel runs packed rows
+    without a mask), else ``None``: transformers' default, sdpa where the model supports it and eager where
+    not (both confine packed samples by a block-diagonal mask). Any other name is taken as it is."""
+    if setting != "auto":
+        return setting
+    import importlib.util
+
+    if torch.device(device).type == "cuda" and importlib.util.find_spec("flash_attn") is not None:
+        return "flash_attention_2"
+    return None
+
+
+def load_training_model(version_dir: str | Path, *, attn_implementation: str = "auto",
+                        packing: bool = False) -> torch.nn.Module:
     """The causal LM of a version directory with float32 weights, whatever dtype its files hold (a
-    bf16 version 0 gets float32 master weights), on CPU, in eval mode."""
+    bf16 version 0 gets float32 master weights), on CPU, in eval mode, running ``attn_implementation``
+    (:func:`attention_for` on CPU). With ``packing`` the attention the model actually got must confine
+    attention to each packed sample, or this raises ``ValueError`` (the config refuses such a name before
+    anything runs; this also catches a model that overrides it)."""
     import transformers
+
 
     # A server's log has no use for a progress bar per load and per published version.
     transformers.utils.logging.disable_progress_bar()
 
     major = int(transformers.__version__.split(".")[0])
     kwargs = {"dtype" if major >= 5 else "torch_dtype": torch.float32}
+    attention = attention_for(attn_implementation, "cpu")
+    if attention is not None:
+        kwargs["attn_implementation"] = attention
     model = transformers.AutoModelForCausalLM.from_pretrained(str(version_dir), **kwargs)
+    if packing:
+        check_packing_attention(model)
     return model.float().eval()
 
 

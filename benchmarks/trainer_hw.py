@@ -1,0 +1,229 @@
+"""The trainer on the hardware it runs on (issue 29), one measurement per function; today: sequence packing.
+
+``measure_packing``: SmolLM2-135M-Instruct (float32, as the trainer loads it) on a batch whose lengths
+follow a long tail (prompt + completion 16-512 tokens, most of them short, as RL completions are), real
+text so the log-probs are those of real tokens, behaviour log-probs from the model itself (on-policy: the
+PPO ratio starts at 1). It runs the step's forward and backward over all micro-batches
+(``step.accumulate``) once padded (``trainer.packing = false``) and once packed, at the same
+``micro_batch_tokens`` (1024 by default, the smollm2-arith preset's), and reports real tokens per second of
+each, their ratio, and how far the packed per-token log-probs and the step's loss are from the padded ones
+(with the padded path's own float32 noise for scale).
+
+The gain is the padding the padded path carries (it already groups rows by length), less what a long
+packed row costs: on CPU the sdpa kernel computes a packed row's whole N x N attention, masked blocks too.
+Measured on SmolLM2, 24 samples, 1 thread, tokens per CPU-second, best of 2-3 on 2 shared cores: 1.14x at
+``micro_batch_tokens`` 512 (the padded rows carried 1.16x the real tokens), 1.18x at 1024 (1.31x), 1.06x
+at 2048 (1.56x, but packed rows of ~2048 tokens run slower per token). Wall-clock ratios on the loaded
+machine ranged from 0.83x to 1.9x for the same settings, hence CPU seconds. Flash-attention's varlen
+kernel (CUDA) spends nothing on masked blocks; not measured here.
+
+    .venv/bin/python benchmarks/trainer_hw.py --quick        # 24 samples, best of 3, ~6 minutes on 2 busy cores
+    .venv/bin/python benchmarks/trainer_hw.py --full         # 64 samples
+
+The last line printed is one JSON object: ``{"packing_speedup", "packed_tokens_per_s",
+"padded_tokens_per_s", "tokens_per_s_counts", "packing_speedup_wall", "packed_vs_padded_max_logprob_diff",
+"packed_vs_padded_loss_diff",
+"padded_alone_vs_grouped_max_logprob_diff", "samples", "real_tokens", "padded_tokens", "micro_batch_tokens",
+"packed_micro_batches", "padded_micro_batches", "threads", "device"}``. More measurements of issue 29 come as more ``measure_*`` functions whose
+results are merged into that one line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("MKL_NUM_THREADS", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import numpy as np
+import torch
+
+from veriroll.coordinator.config import TrainerConfig
+from veriroll.coordinator.trainer import (
+    GroupRecord,
+    SampleRecord,
+    build_batch,
+    completion_logprobs,
+    load_training_model,
+    micro_batches,
+)
+from veriroll.coordinator.trainer.step import accumulate
+
+ROOT = Path(__file__).resolve().parent.parent
+QUICK = {"samples": 24, "repeats": 3}
+FULL = {"samples": 64, "repeats": 3}
+
+
+def say(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def long_tail_lengths(n: int, rng: np.random.Generator, low: int = 16, high: int = 512) -> list[int]:
+    """``n`` sample lengths in [low, high], log-normal (median ~60): many short, a few long, the
+    longest always ``high``."""
+    lengths = np.clip(np.exp(rng.normal(np.log(60), 0.9, size=n)), low, high).astype(int)
+    lengths[0] = high
+    return [int(x) for x in lengths]
+
+
+def text_tokens(tokenizer) -> list[int]:
+    """Real English and Markdown (this repository's docs), so the log-probs are those of real text."""
+    text = "\n\n".join(p.read_text() for p in sorted((ROOT / "docs").glob("*.md")) + [ROOT / "README.md"])
+    return tokenizer(text)["input_ids"]
+
+
+def long_tail_batch(tokenizer, samples: int, *, group_size: int = 4, seed: int = 0):
+    """Groups of ``group_size`` samples, each a slice of real text split into a prompt of 8-15 tokens and a
+    completion (the rest), with long-tailed total lengths; rewards alternate so every sample counts."""
+    rng = np.random.default_rng(seed)
+    text = text_tokens(tokenizer)
+    lengths = long_tail_lengths(samples, rng)
+    groups = []
+    for g in range(0, samples, group_size):
+        start = int(rng.integers(0, len(text) - 600))
+        prompt_len = int(rng.integers(8, 16))
+        prompt = np.array(text[start:start + prompt_len], dtype=np.int32)
+        records = []
+        for i, n in enumerate(lengths[g:g + group_size]):
+            at = start + prompt_len + 13 * i
+            tokens = np.array(text[at:at + n - prompt_len], dtype=np.int32)
+            records.append(SampleRecord(tokens, np.zeros(len(tokens), dtype=np.float32), None, float(i % 2)))
+        groups.append(GroupRecord(g, "math", 0, 1.0, 0, prompt, records))
+    batch, _ = build_batch(groups, [0] * len(groups), pad_id=int(tokenizer.pad_token_id or 0))
+    return batch
+
+
+def logprobs_by_sample(model, batch, budget: int, packing: bool) -> dict[bytes, torch.Tensor]:
+    """Each sample's completion log-probs (no gradient) as the step computes them, keyed by its tokens."""
+    out = {}
+    with torch.no_grad():
+        for part in micro_batches(batch, budget, packing=packing):
+            logp, _ = completion_logprobs(model, part, packed=packing)
+            for b in range(part.size):
+                n = int(part.attention_mask[b].sum())
+                out[part.input_ids[b, :n].numpy().tobytes()] = logp[b, :int(part.response_mask[b].sum())]
+    return out
+
+
+def timed_pass(model, batch, cfg: TrainerConfig) -> tuple[float, float, dict]:
+    """Wall and CPU seconds of the forward and backward of every micro-batch of ``batch`` (gradients
+    accumulated, no optimizer step, so both paths see the same weights), and the step's summed diagnostics.
+    With one torch thread the CPU seconds are this process's compute alone: a neighbour's load on a shared
+    machine stretches the wall time, not them."""
+    model.train()
+    model.zero_grad(set_to_none=True)
+    wall, cpu = time.perf_counter(), time.process_time()
+    sums = accumulate(model, micro_batches(batch, cfg.micro_batch_tokens, packing=cfg.packing), cfg, 2, None)
+    wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+    model.zero_grad(set_to_none=True)
+    model.eval()
+    return wall, cpu, sums
+
+
+def measure_packing(model, tokenizer, args) -> dict:
+    """Packed vs padded micro-batches on a long-tailed batch: tokens/s and numerical agreement."""
+    batch = long_tail_batch(tokenizer, args.samples)
+    lengths = batch.attention_mask.sum(1)
+    real = int(lengths.sum())
+    say(f"packing: {batch.size} samples, lengths {int(lengths.min())}-{int(lengths.max())} (median "
+        f"{int(lengths.median())}), {real} real tokens, micro_batch_tokens {args.micro_batch_tokens}")
+    padded_lp = logprobs_by_sample(model, batch, args.micro_batch_tokens, packing=False)
+    packed_lp = logprobs_by_sample(model, batch, args.micro_batch_tokens, packing=True)
+    # On-policy behaviour log-probs (the padded path's): the PPO ratio starts at 1 and every token counts.
+    for b in range(batch.size):
+        key = batch.input_ids[b, :int(lengths[b])].numpy().tobytes()
+        n = int(batch.response_mask[b].sum())
+        batch.logp_behavior[b, :n] = padded_lp[key]
+    batch.logp_trusted.copy_(batch.logp_behavior)
+    max_diff = max(float((packed_lp[k] - v).abs().max()) for k, v in padded_lp.items() if v.numel())
+    # The padded path's own float32 noise for scale: the same samples each in a row of its own instead of
+    # grouped (other matmul shapes and attention blockings, so other rounding, and no packing involved).
+    alone_lp = logprobs_by_sample(model, batch, 1, packing=False)
+    noise = max(float((alone_lp[k] - v).abs().max()) for k, v in padded_lp.items() if v.numel())
+
+    # One untimed pass of each path on a few short samples first: the first backward of a process pays for
+    # allocations and kernel selection, which would otherwise count against whichever path is timed first.
+    for packing in (False, True):
+        cfg = TrainerConfig(packing=packing, micro_batch_tokens=args.micro_batch_tokens, autocast="off")
+        timed_pass(model, batch.select(torch.argsort(lengths)[:4]), cfg)
+    walls: dict[bool, list[float]] = {False: [], True: []}
+    cpus: dict[bool, list[float]] = {False: [], True: []}
+    sums: dict[bool, dict] = {}
+    for _ in range(args.repeats):
+        for packing in (False, True):  # interleaved: a neighbour's load hits both paths alike
+            cfg = TrainerConfig(packing=packing, micro_batch_tokens=args.micro_batch_tokens, autocast="off")
+            wall, cpu, sums[packing] = timed_pass(model, batch, cfg)
+            walls[packing].append(wall)
+            cpus[packing].append(cpu)
+            say(f"  {'packed' if packing else 'padded'}: {wall:.1f} s wall, {cpu:.1f} s CPU, "
+                f"{int(sums[packing]['micro_batches'])} micro-batches, {real / cpu:.0f} real tokens per CPU-second")
+    # The best of the repeats: interference only ever adds time. Tokens/s count CPU seconds when the
+    # process runs one thread (its compute, whoever else shares the cores), wall seconds otherwise.
+    timing = cpus if args.threads == 1 else walls
+    padded_s, packed_s = min(timing[False]), min(timing[True])
+    loss = {p: sums[p]["loss"] / max(sums[p]["tokens_used"], 1.0) for p in (False, True)}
+    padded_tokens = sum(p.input_ids.numel() for p in micro_batches(batch, args.micro_batch_tokens, packing=False))
+    result = {
+        "packing_speedup": round(padded_s / packed_s, 3),
+        "packed_tokens_per_s": round(real / packed_s, 1),
+        "padded_tokens_per_s": round(real / padded_s, 1),
+        "tokens_per_s_counts": "cpu_seconds" if args.threads == 1 else "wall_seconds",
+        "packing_speedup_wall": round(min(walls[False]) / min(walls[True]), 3),
+        "packed_vs_padded_max_logprob_diff": max_diff,
+        "packed_vs_padded_loss_diff": abs(loss[True] - loss[False]),
+        "padded_alone_vs_grouped_max_logprob_diff": noise,
+        "samples": batch.size,
+        "real_tokens": real,
+        "padded_tokens": padded_tokens,
+        "micro_batch_tokens": args.micro_batch_tokens,
+        "packed_micro_batches": int(sums[True]["micro_batches"]),
+        "padded_micro_batches": int(sums[False]["micro_batches"]),
+    }
+    say(f"packing: {result['packing_speedup']}x the padded tokens/s; max |Δ log-prob| {max_diff:.2e} (the padded path "
+        f"alone vs grouped: {noise:.2e}), |Δ loss| {result['packed_vs_padded_loss_diff']:.2e}; padded rows carry "
+        f"{padded_tokens} tokens for {real} real")
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    size = parser.add_mutually_exclusive_group()
+    size.add_argument("--quick", action="store_true", help="the smoke settings (default): 24 samples, best of 3 timings")
+    size.add_argument("--full", action="store_true", help="64 samples, best of 3 timings")
+    parser.add_argument("--model", default=None, help="HF model directory (default: the cached built-in SmolLM2)")
+    parser.add_argument("--samples", type=int)
+    parser.add_argument("--repeats", type=int)
+    parser.add_argument("--micro-batch-tokens", type=int, default=1024,
+                        help="the budget of both paths (default 1024: the smollm2-arith preset's)")
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args()
+    for k, v in (FULL if args.full else QUICK).items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
+
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    if args.model is None:
+        from veriroll.coordinator.models import cached_builtin_model
+
+        args.model = str(cached_builtin_model())
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    model = load_training_model(args.model, packing=True)
+    say(f"model {Path(args.model).name}, attention {model.config._attn_implementation}, float32, "
+        f"{args.threads} thread(s), CPU")
+    result = measure_packing(model, tokenizer, args)
+    result.update(threads=args.threads, device="cpu")
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
