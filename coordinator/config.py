@@ -7,6 +7,7 @@ line with ``--set section.field=value`` or from the environment with ``VERIROLL_
 from __future__ import annotations
 
 import ipaddress
+import re
 from typing import Literal
 
 from packaging.version import InvalidVersion, Version
@@ -33,6 +34,9 @@ ModelDtype = Literal["float32", "bfloat16", "float16"]
 # else (a custom kernel registered with AttentionInterface, paged attention) would let samples attend to
 # each other, so ``trainer.packing`` refuses it. 'auto' resolves to one of these (trainer/weights.py).
 PACKING_ATTENTION = ("auto", "sdpa", "eager", "flash_attention_2", "flash_attention_3")
+
+# The forms ``trainer.device`` takes (the config refuses any other, naming these).
+TRAINER_DEVICE = re.compile(r"auto|cpu|cuda(:[0-9]+)?")
 
 
 class _Section(BaseModel):
@@ -219,7 +223,21 @@ class TrainerConfig(_Section):
                                      "attn_implementation): 'auto' is flash_attention_2 on CUDA where flash-attn is "
                                      "installed, else transformers' default (sdpa where the model supports it, else eager)")
     gradient_checkpointing: bool = Field(False, description="recompute each decoder layer's activations in the backward pass instead of keeping them: less memory for about one more forward of compute")
+    device: str = Field("auto", description="torch device of the trainer's model, optimizer state and batches: 'auto' "
+                        "(CUDA where present, else CPU), 'cpu', 'cuda' or 'cuda:N'. Under torchrun (LOCAL_RANK set) "
+                        "'auto' and 'cuda' mean cuda:LOCAL_RANK. A CUDA device this machine lacks is refused at "
+                        "`coordinator init`/`run`, before anything is written")
     autocast: Autocast = Field("auto", description="bf16 autocast of the forward/backward (weights and optimizer stay float32): 'auto' is on for CUDA with bf16 and off on CPU (measured: ~4% log-prob noise in the PPO ratio), 'bfloat16' forces it on any device, 'off' never")
+
+    @field_validator("device")
+    @classmethod
+    def _device_is_named(cls, value: str) -> str:
+        # Only the names: whether this machine has that device is checked where the trainer runs
+        # (trainer/device.py, at `coordinator init` and `run`), not where a config is merely read.
+        if TRAINER_DEVICE.fullmatch(value) is None:
+            raise ValueError(f"trainer.device must be 'auto', 'cpu', 'cuda' or 'cuda:N' (N a device index), "
+                             f"got {value!r}")
+        return value
 
     @model_validator(mode="after")
     def _packing_confines_attention(self) -> TrainerConfig:

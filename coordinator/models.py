@@ -366,23 +366,26 @@ def fsync_tree(root: Path) -> None:
 
 
 def _state_dict_in(model, dtype: torch.dtype | None) -> dict | None:
-    """The model's state dict with floating tensors cast to ``dtype`` (``None``: no cast needed)."""
-    if dtype is None:
-        return None
+    """The model's state dict on CPU with floating tensors cast to ``dtype`` (``None``: the model's own state
+    dict is already that, no copy needed). A model on a GPU (the trainer's) is written from CPU copies."""
     state = model.state_dict()
-    if all(not t.is_floating_point() or t.dtype == dtype for t in state.values()):
+
+    def wanted(t: torch.Tensor) -> torch.dtype:
+        return dtype if dtype is not None and t.is_floating_point() else t.dtype
+
+    if all(t.device.type == "cpu" and t.dtype == wanted(t) for t in state.values()):
         return None
     cast: dict[tuple, torch.Tensor] = {}
     out = {}
     for name, t in state.items():
-        if not t.is_floating_point() or t.dtype == dtype:
+        if t.device.type == "cpu" and t.dtype == wanted(t):
             out[name] = t
             continue
         # Tied weights (the embedding and the LM head) share storage: they must share the cast copy
         # too, or save_pretrained would see two different tensors and write the head twice.
         key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()))
         if key not in cast:
-            cast[key] = t.detach().to(dtype)
+            cast[key] = t.detach().to("cpu", wanted(t))
         out[name] = cast[key]
     return out
 

@@ -61,7 +61,8 @@ of the batch's samples, the same accumulation runs per rank, DDP (or FSDP2) aver
 the all-reduced Σw normalizes them: the update is the single-process update.
 
 The parts, one job each: ``batch.py`` (groups from the store → the step's tensors), ``step.py`` (one optimizer
-step), ``distributed.py`` (the same step across ranks), ``weights.py`` (weights in, versions out) and
+step), ``distributed.py`` (the same step across ranks), ``device.py`` (where it runs: ``trainer.device``
+per rank, the process group's backend, the refusals at start), ``weights.py`` (weights in, versions out) and
 ``loop.py`` (:class:`Trainer`: select, train, publish, commit, checkpoint, resume). The coordinator's side,
 which runs a :class:`Trainer` in a worker thread and announces its versions, is ``app.start_trainer``.
 """
@@ -78,6 +79,14 @@ from veriroll.coordinator.trainer.batch import (
     micro_batches,
     pack_rows,
     select_groups,
+)
+from veriroll.coordinator.trainer.device import (
+    check_trainer_device,
+    check_trainer_placement,
+    check_world_size,
+    init_process_group,
+    process_group_backend,
+    trainer_device,
 )
 from veriroll.coordinator.trainer.distributed import distributed_train_step, shard_batch, wrap_distributed
 from veriroll.coordinator.trainer.loop import HISTORY_CAP, HISTORY_KEY, StepOutcome, Trainer
@@ -112,17 +121,23 @@ __all__ = [
     "build_batch",
     "build_optimizer",
     "check_packing_attention",
+    "check_trainer_device",
+    "check_trainer_placement",
+    "check_world_size",
     "completion_logprobs",
     "distributed_train_step",
+    "init_process_group",
     "load_groups",
     "load_training_model",
     "measure_publish",
     "micro_batches",
     "pack_rows",
+    "process_group_backend",
     "select_groups",
     "set_gradient_checkpointing",
     "shard_batch",
     "train_step",
+    "trainer_device",
     "wrap_distributed",
     "write_policy_version",
 ]

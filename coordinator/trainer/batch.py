@@ -65,6 +65,12 @@ class RolloutBatch:
     def select(self, rows: torch.Tensor | slice) -> RolloutBatch:
         return RolloutBatch(**{k: getattr(self, k)[rows] for k in self.__dataclass_fields__})
 
+    def to(self, device: torch.device | str) -> RolloutBatch:
+        """Every tensor of the batch on ``device`` (the batch itself when they are there already)."""
+        if all(getattr(self, k).device == torch.device(device) for k in self.__dataclass_fields__):
+            return self
+        return RolloutBatch(**{k: getattr(self, k).to(device) for k in self.__dataclass_fields__})
+
 
 def select_groups(conn: sqlite3.Connection, version: int, s_max: int, limit: int,
                   reference: dict[int, int] | None = None) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:

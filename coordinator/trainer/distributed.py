@@ -70,7 +70,8 @@ def distributed_train_step(model: torch.nn.Module, optimizer: torch.optim.Optimi
     parts = micro_batches(local, cfg.micro_batch_tokens, packing=cfg.packing) if no_sync is not None else [local]
     sums = accumulate(model, parts, cfg, s_max, ref_model, no_sync=no_sync)
     keys = sorted(sums)
-    totals = torch.tensor([float(sums[k]) for k in keys], dtype=torch.float64)
+    # On the model's device: NCCL reduces CUDA tensors only (gloo, CPU ones).
+    totals = torch.tensor([float(sums[k]) for k in keys], dtype=torch.float64, device=next(model.parameters()).device)
     dist.all_reduce(totals)
     total = dict(zip(keys, totals.tolist(), strict=True))
     scale_gradients(model, world / max(total["tokens_used"], 1.0))

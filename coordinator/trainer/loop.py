@@ -23,6 +23,7 @@ from veriroll.coordinator.checkpoint import latest_training_state, save_training
 from veriroll.coordinator.config import CoordinatorConfig, TrainerConfig
 from veriroll.coordinator.policy import PolicyState
 from veriroll.coordinator.trainer.batch import build_batch, load_groups, select_groups
+from veriroll.coordinator.trainer.device import trainer_device
 from veriroll.coordinator.trainer.step import train_step
 from veriroll.coordinator.trainer.weights import build_optimizer, load_training_model, write_policy_version
 
@@ -77,6 +78,9 @@ class Trainer:
         # Published versions are in the operator's dtype (the config takes only DTYPES' names); the
         # trainer's own weights stay float32.
         self.publish_dtype = DTYPES[cfg.model_dtype]
+        # The model, its optimizer state and every micro-batch live here; checkpoints and published versions
+        # are written from CPU copies. ``coordinator init``/``run`` refused a device this machine lacks.
+        self.device = trainer_device(self.tcfg.device)
         self.db = db
         self.policy_store = policy_store
         self.metrics = metrics
@@ -125,7 +129,7 @@ class Trainer:
     # -- start -------------------------------------------------------------------------------------
 
     def _load_model(self, version: int) -> torch.nn.Module:
-        return load_training_model(self.policy_store.version_dir(version),
+        return load_training_model(self.policy_store.version_dir(version), device=self.device,
                                    attn_implementation=self.tcfg.attn_implementation, packing=self.tcfg.packing)
 
     def resume(self) -> None:
@@ -180,9 +184,10 @@ class Trainer:
         if self.done != was_done:
             done = self.done
             self.db.run_sync(lambda c: st.kv_set(c, "trainer_done", done))
-        log.info("trainer at step %d, policy version %d (%s)%s; %d groups consumed after step %d will be trained again",
-                 step, self.version, "from checkpoint" if found else f"fresh start from version {base_version}",
-                 "; training finished" if self.done else "", reset, step)
+        log.info("trainer at step %d, policy version %d (%s)%s, on %s; %d groups consumed after step %d will be "
+                 "trained again", step, self.version,
+                 "from checkpoint" if found else f"fresh start from version {base_version}",
+                 "; training finished" if self.done else "", self.device, reset, step)
         self._last_step_end = self.clock()
 
     # -- one step ----------------------------------------------------------------------------------
@@ -382,8 +387,10 @@ class Trainer:
             "format": STATE_FORMAT,
             "step": self.step_no,
             "version": self.weights_version,
-            "model": self.model.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
+            # CPU copies: a checkpoint taken on a GPU resumes anywhere (torch.load maps to CPU; loading
+            # the state dicts moves them onto the resumed model's device).
+            "model": _on_cpu(self.model.state_dict()),
+            "optimizer": _on_cpu(self.optimizer.state_dict()),
             "torch_rng": torch.get_rng_state(),
             "python_rng": _listify(random.getstate()),
             "time": self.clock(),
@@ -392,6 +399,20 @@ class Trainer:
             "consumed_groups": self.db.read(lambda c: st.consumed_groups(c, self.step_no)).result(),
         }
         return save_training_state(self.state_dir, self.step_no, state, keep=self.tcfg.keep_checkpoints)
+
+
+def _on_cpu(x):
+    """``x`` (a state dict: nested dicts and lists of tensors and numbers) with every tensor on CPU."""
+    if isinstance(x, torch.Tensor):
+        return x.detach().cpu()
+    if isinstance(x, dict):
+        out = type(x)((k, _on_cpu(v)) for k, v in x.items())
+        if hasattr(x, "_metadata"):  # a module state dict's versions, which load_state_dict reads
+            out._metadata = x._metadata
+        return out
+    if isinstance(x, (list, tuple)):
+        return type(x)(_on_cpu(v) for v in x)
+    return x
 
 
 def _listify(x):

@@ -108,7 +108,7 @@ def _step_sums(model, batch: RolloutBatch, cfg: TrainerConfig, s_max: int, ref_m
     # The loss is a sum over max(Σw, 1); times that clamp it is the plain sum again, exactly, whatever Σw.
     d = max(m["tokens_used"], 1.0)
     trusted_rows = batch.has_trusted[:, None].float() * mask
-    mismatch = torch.where(batch.response_mask, batch.logp_trusted - batch.logp_behavior, torch.zeros(()))
+    mismatch = (batch.logp_trusted - batch.logp_behavior).where(batch.response_mask, 0.0)
     sums = {
         "tokens_used": m["tokens_used"],
         "loss": m["loss"] * d,
@@ -199,10 +199,15 @@ def _forward_context(model: torch.nn.Module, cfg: TrainerConfig):
 
 def accumulate(model, parts: list[RolloutBatch], cfg: TrainerConfig, s_max: int, ref_model, no_sync=None) -> dict:
     """Backward Σ per_token·w of every micro-batch into the gradients (unnormalized); their summed
-    diagnostics. ``no_sync`` (DDP's) defers the gradient all-reduce to the last micro-batch."""
+    diagnostics. ``no_sync`` (DDP's) defers the gradient all-reduce to the last micro-batch.
+
+    The batch is built and split on CPU (sorting lengths there costs no device syncs); each micro-batch
+    goes to the model's device (``trainer.device``) just before its forward."""
     set_gradient_checkpointing(model, cfg.gradient_checkpointing)
+    device = next(model.parameters()).device
     total: dict[str, float] = {}
     for i, part in enumerate(parts):
+        part = part.to(device)
         ctx = no_sync() if no_sync is not None and i < len(parts) - 1 else contextlib.nullcontext()
         with ctx:
             with _forward_context(model, cfg):

@@ -30,11 +30,12 @@ def attention_for(setting: str, device: torch.device | str = "cpu") -> str | Non
     return None
 
 
-def load_training_model(version_dir: str | Path, *, attn_implementation: str = "auto",
-                        packing: bool = False) -> torch.nn.Module:
+def load_training_model(version_dir: str | Path, *, attn_implementation: str = "auto", packing: bool = False,
+                        device: torch.device | str = "cpu") -> torch.nn.Module:
     """The causal LM of a version directory with float32 weights, whatever dtype its files hold (a
-    bf16 version 0 gets float32 master weights), on CPU, in eval mode, running ``attn_implementation``
-    (:func:`attention_for` on CPU). With ``packing`` the attention the model actually got must confine
+    bf16 version 0 gets float32 master weights), on ``device`` (``trainer.device`` resolved by
+    ``device.trainer_device``), in eval mode, running ``attn_implementation`` (:func:`attention_for` on
+    ``device``). With ``packing`` the attention the model actually got must confine
     attention to each packed sample, or this raises ``ValueError`` (the config refuses such a name before
     anything runs; this also catches a model that overrides it)."""
     import transformers
@@ -45,17 +46,19 @@ def load_training_model(version_dir: str | Path, *, attn_implementation: str = "
 
     major = int(transformers.__version__.split(".")[0])
     kwargs = {"dtype" if major >= 5 else "torch_dtype": torch.float32}
-    attention = attention_for(attn_implementation, "cpu")
+    attention = attention_for(attn_implementation, device)
     if attention is not None:
         kwargs["attn_implementation"] = attention
     model = transformers.AutoModelForCausalLM.from_pretrained(str(version_dir), **kwargs)
     if packing:
         check_packing_attention(model)
-    return model.float().eval()
+    # Read on CPU, then moved whole: the float32 master weights are made once, on the device they train on.
+    return model.float().to(device).eval()
 
 
 def build_optimizer(model: torch.nn.Module, cfg: TrainerConfig) -> torch.optim.Optimizer:
-    """The trainer's AdamW over ``model``'s parameters (float32 state, like the weights)."""
+    """The trainer's AdamW over ``model``'s parameters (float32 state, like the weights, made on their
+    device at the first step)."""
     return torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=ADAM_BETAS, weight_decay=cfg.weight_decay)
 
 
@@ -63,7 +66,8 @@ def write_policy_version(model: torch.nn.Module, base_dir: str | Path, out_dir: 
                          dtype: torch.dtype = torch.float32) -> Path:
     """Write ``model``'s weights in ``dtype`` as an HF directory at ``out_dir`` (atomically, safetensors,
     sharded past ``models.MAX_SHARD_SIZE``), with every non-weight file of ``base_dir`` (tokenizer, chat
-    template, generation config) copied unchanged. The model's float32 master weights are not touched."""
+    template, generation config) copied unchanged. The tensors written are CPU copies (from a model on CUDA
+    too); the model's float32 master weights are not touched."""
     from veriroll.coordinator.models import save_pretrained_checkpoint
 
     return save_pretrained_checkpoint(getattr(model, "module", model), Path(base_dir), out_dir, dtype=dtype)

@@ -105,6 +105,28 @@ def test_fresh_groups_are_trained_oldest_first_and_stale_ones_dropped_with_reaso
     assert kv(db, "trainer_step") == 3
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="pins 'auto' to CPU on a machine without CUDA")
+def test_trainer_keeps_model_and_optimizer_on_its_device_and_checkpoints_cpu_tensors(trainer_env):
+    from veriroll.coordinator.checkpoint import latest_training_state
+
+    trainer, db = trainer_env({"trainer.device": "auto"})
+    trainer.resume()
+    assert trainer.device == torch.device("cpu")
+    add_groups(db, [SIGNAL] * 2)
+    assert trainer.step().kind == "trained"
+    assert {p.device for p in trainer.model.parameters()} == {trainer.device}
+    moments = [t for s in trainer.optimizer.state.values() for t in s.values() if t.dim() > 0]
+    assert moments and {t.device for t in moments} == {trainer.device}
+    trainer.save_state()
+    _, state = latest_training_state(trainer.state_dir)
+    saved = [*state["model"].values(), *(t for s in state["optimizer"]["state"].values() for t in s.values())]
+    assert {t.device.type for t in saved} == {"cpu"}
+    weights = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+    trainer.resume()  # a fresh model from version 0, then the checkpoint loaded onto the trainer's device
+    assert all(torch.equal(weights[k], v) for k, v in trainer.model.state_dict().items())
+    assert {p.device for p in trainer.model.parameters()} == {trainer.device}
+
+
 def test_trainer_waits_and_says_so_while_too_few_fresh_groups(trainer_env, caplog):
     trainer, db = trainer_env({"trainer.min_groups": 3, "trainer.groups_per_step": 4})
     trainer.resume()
