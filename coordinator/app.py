@@ -204,6 +204,11 @@ def verification_state(cfg: CoordinatorConfig) -> str:
 async def start_coordinator(base_dir: str | Path, *, overrides=(), cfg: CoordinatorConfig | None = None) -> Coordinator:
     base = Path(base_dir).resolve()
     cfg = cfg or load_coordinator_config(base, overrides)
+    from veriroll.coordinator.trainer.device import check_trainer_placement
+
+    # Before anything is written (the lock file included): the trainer's device is on this machine and
+    # the world size fits the batch, or the start is refused (ConfigError: `coordinator run` exits 2).
+    check_trainer_placement(cfg)
     # Before anything is opened or bound: a second coordinator (or trainer) on DIR stops here. Edge and
     # verifier processes are meant to run several on one DIR (a shared PostgreSQL store): no lock.
     lock = DirectoryLock(base) if cfg.role not in ("edge", "verifier") else None

@@ -151,6 +151,7 @@ def _init(args, base: Path) -> dict:
     from veriroll.coordinator.models import ModelLoadError, create_model_checkpoint, generation_defaults
     from veriroll.coordinator.policy import PolicyStore
     from veriroll.coordinator.tls import create_tls
+    from veriroll.coordinator.trainer.device import check_trainer_placement
     from veriroll.protos.identity import write_keypair
 
     preset = args.preset or ("" if args.model else "tiny-arith")
@@ -178,6 +179,8 @@ def _init(args, base: Path) -> dict:
         load_environment(cfg.environment.name, **environment_kwargs(cfg))
     except (EnvironmentLoadError, ValueError, TypeError, OSError) as exc:
         raise InitError(f"environment {cfg.environment.name!r}: {exc}") from exc
+    # ... and where the trainer would run: a CUDA device this machine lacks, a world size that splits no batch.
+    check_trainer_placement(cfg)
     base.mkdir(parents=True, exist_ok=True)
     if args.force:
         for name in ("state.db", "state.db-wal", "state.db-shm", "checkpoints", "shardcast", "ports.json"):

@@ -8,9 +8,13 @@ only the CUDA availability check mocked (``cuda_devices``), in the tests named `
 
 from __future__ import annotations
 
+import signal
+
 import pytest
 import torch
+from support import make_coordinator_dir
 
+from veriroll.cli.main import main
 from veriroll.coordinator.config import CoordinatorConfig
 from veriroll.coordinator.trainer import device as trainer_device_module
 from veriroll.coordinator.trainer.device import (
@@ -115,3 +119,52 @@ def test_processes_without_a_trainer_are_not_checked():
     for settings in ({"trainer.enabled": False}, {"role": "edge"}, {"role": "verifier"}):
         cfg = config(**{"trainer.device": "cuda:9", **settings})
         assert check_trainer_placement(cfg, {"WORLD_SIZE": "7"}) is None
+
+
+def _init(tmp_path, *extra):
+    return main(["coordinator", "init", "--dir", str(tmp_path / "coord"), "--json", *extra])
+
+
+@needs_no_cuda
+def test_init_refuses_a_cuda_trainer_without_cuda_and_writes_nothing(tmp_path, capsys):
+    assert _init(tmp_path, "--set", "trainer.device=cuda") == 2
+    err = capsys.readouterr().err
+    assert "trainer.device = 'cuda'" in err and "no CUDA device" in err, err
+    assert not (tmp_path / "coord").exists()
+
+
+def test_init_refuses_a_world_size_that_does_not_divide_the_batch_and_writes_nothing(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "7")
+    assert _init(tmp_path, "--set", "trainer.device=cpu") == 2
+    assert "WORLD_SIZE 7 does not divide the trainer's batch" in capsys.readouterr().err
+    assert not (tmp_path / "coord").exists()
+
+
+def _run(base, *extra) -> int:
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        return main(["coordinator", "run", "--dir", str(base), *extra])
+    finally:  # `run` installs its stop handlers: give pytest its own back
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+
+
+@needs_no_cuda
+def test_run_refuses_a_cuda_trainer_without_cuda_before_writing_anything(tmp_path, capsys):
+    base = make_coordinator_dir(tmp_path, {"trainer.enabled": True, "trainer.device": "cuda:0"})
+    before = sorted(p.name for p in base.iterdir())
+    assert _run(base) == 2
+    err = capsys.readouterr().err
+    assert "trainer.device = 'cuda:0'" in err and "no CUDA device" in err, err
+    assert sorted(p.name for p in base.iterdir()) == before  # no lock file, no ports.json, no shardcast store
+
+
+def test_run_refuses_a_world_size_that_does_not_divide_the_batch(tmp_path, capsys, monkeypatch):
+    base = make_coordinator_dir(tmp_path, {"trainer.enabled": True, "trainer.device": "cpu",
+                                           "trainer.groups_per_step": 4, "leases.group_size": 4})
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    before = sorted(p.name for p in base.iterdir())
+    assert _run(base) == 2
+    assert "WORLD_SIZE 3 does not divide the trainer's batch: trainer.groups_per_step 4 x leases.group_size 4 = 16" \
+        in capsys.readouterr().err
+    assert sorted(p.name for p in base.iterdir()) == before
