@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from veriroll.coordinator import store as st
-from veriroll.coordinator.checkpoint import latest_training_state, save_training_state
+from veriroll.coordinator.checkpoint import latest_training_state, load_sharded_state, save_training_state
 from veriroll.coordinator.config import CoordinatorConfig, TrainerConfig
 from veriroll.coordinator.policy import PolicyState
 from veriroll.coordinator.trainer.batch import build_batch, load_groups, select_groups
@@ -34,7 +34,7 @@ log = logging.getLogger("veriroll.trainer")
 HISTORY_KEY = st.TRAINER_HISTORY_KEY
 HISTORY_CAP = 2000  # steps kept in kv trainer_history (the dashboard reads it)
 WAIT_LOG_EVERY_S = 30.0  # a trainer that keeps waiting says so again this often
-STATE_FORMAT = 1
+STATE_FORMAT = 2  # 1: model and optimizer in state.pt; 2: as sharded training state beside it (both are read)
 
 
 @dataclass
@@ -142,8 +142,11 @@ class Trainer:
         found = latest_training_state(self.state_dir)
         if found is not None:
             step, state = found
-            self.model.load_state_dict(state["model"])
-            self.optimizer.load_state_dict(state["optimizer"])
+            if "model" in state:  # format 1, whole state dicts in state.pt
+                self.model.load_state_dict(state["model"])
+                self.optimizer.load_state_dict(state["optimizer"])
+            else:  # onto the model's device, whatever number of ranks wrote it
+                load_sharded_state(state["dir"], self.model, self.optimizer)
             for group in self.optimizer.param_groups:  # the configured lr wins over the saved one
                 group["lr"] = self.tcfg.lr
                 group["weight_decay"] = self.tcfg.weight_decay
@@ -387,10 +390,6 @@ class Trainer:
             "format": STATE_FORMAT,
             "step": self.step_no,
             "version": self.weights_version,
-            # CPU copies: a checkpoint taken on a GPU resumes anywhere (torch.load maps to CPU; loading
-            # the state dicts moves them onto the resumed model's device).
-            "model": _on_cpu(self.model.state_dict()),
-            "optimizer": _on_cpu(self.optimizer.state_dict()),
             "torch_rng": torch.get_rng_state(),
             "python_rng": _listify(random.getstate()),
             "time": self.clock(),
@@ -398,21 +397,10 @@ class Trainer:
             # number is kept as a cross-check against the store on resume.
             "consumed_groups": self.db.read(lambda c: st.consumed_groups(c, self.step_no)).result(),
         }
-        return save_training_state(self.state_dir, self.step_no, state, keep=self.tcfg.keep_checkpoints)
-
-
-def _on_cpu(x):
-    """``x`` (a state dict: nested dicts and lists of tensors and numbers) with every tensor on CPU."""
-    if isinstance(x, torch.Tensor):
-        return x.detach().cpu()
-    if isinstance(x, dict):
-        out = type(x)((k, _on_cpu(v)) for k, v in x.items())
-        if hasattr(x, "_metadata"):  # a module state dict's versions, which load_state_dict reads
-            out._metadata = x._metadata
-        return out
-    if isinstance(x, (list, tuple)):
-        return type(x)(_on_cpu(v) for v in x)
-    return x
+        # The weights and AdamW state go as sharded training state (torch.distributed.checkpoint): written
+        # from whatever device they are on, loaded onto whatever device (and number of ranks) resumes.
+        return save_training_state(self.state_dir, self.step_no, state, keep=self.tcfg.keep_checkpoints,
+                                   model=self.model, optimizer=self.optimizer)
 
 
 def _listify(x):

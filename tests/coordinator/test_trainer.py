@@ -106,8 +106,8 @@ def test_fresh_groups_are_trained_oldest_first_and_stale_ones_dropped_with_reaso
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="pins 'auto' to CPU on a machine without CUDA")
-def test_trainer_keeps_model_and_optimizer_on_its_device_and_checkpoints_cpu_tensors(trainer_env):
-    from veriroll.coordinator.checkpoint import latest_training_state
+def test_trainer_keeps_model_and_optimizer_on_its_device_and_resumes_them_from_sharded_state(trainer_env):
+    from veriroll.coordinator.checkpoint import SHARDED_DIR, latest_training_state
 
     trainer, db = trainer_env({"trainer.device": "auto"})
     trainer.resume()
@@ -119,12 +119,33 @@ def test_trainer_keeps_model_and_optimizer_on_its_device_and_checkpoints_cpu_ten
     assert moments and {t.device for t in moments} == {trainer.device}
     trainer.save_state()
     _, state = latest_training_state(trainer.state_dir)
-    saved = [*state["model"].values(), *(t for s in state["optimizer"]["state"].values() for t in s.values())]
-    assert {t.device.type for t in saved} == {"cpu"}
+    assert state["format"] == 2 and "model" not in state and (state["dir"] / SHARDED_DIR / ".metadata").is_file()
     weights = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+    moments = {k: v.clone() for k, v in trainer.optimizer.state_dict()["state"][0].items()}
     trainer.resume()  # a fresh model from version 0, then the checkpoint loaded onto the trainer's device
     assert all(torch.equal(weights[k], v) for k, v in trainer.model.state_dict().items())
+    assert all(torch.equal(moments[k], v) for k, v in trainer.optimizer.state_dict()["state"][0].items())
     assert {p.device for p in trainer.model.parameters()} == {trainer.device}
+
+
+def test_a_checkpoint_of_the_first_format_still_resumes(trainer_env):
+    from veriroll.coordinator.checkpoint import save_training_state
+
+    trainer, db = trainer_env()
+    trainer.resume()
+    add_groups(db, [SIGNAL] * 2)
+    assert trainer.step().kind == "trained"
+    weights = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+    moments = {k: v.clone() for k, v in trainer.optimizer.state_dict()["state"][0].items()}
+    # What format 1 wrote: everything, the state dicts included, in state.pt.
+    save_training_state(trainer.state_dir, 1, {"format": 1, "step": 1, "version": 1, "model": trainer.model.state_dict(),
+                                               "optimizer": trainer.optimizer.state_dict(),
+                                               "torch_rng": torch.get_rng_state(), "python_rng": [3, [0] * 625, None],
+                                               "time": 0.0, "consumed_groups": 2}, keep=2)
+    trainer.resume()
+    assert trainer.step_no == 1
+    assert all(torch.equal(weights[k], v) for k, v in trainer.model.state_dict().items())
+    assert all(torch.equal(moments[k], v) for k, v in trainer.optimizer.state_dict()["state"][0].items())
 
 
 def test_trainer_waits_and_says_so_while_too_few_fresh_groups(trainer_env, caplog):
