@@ -192,6 +192,78 @@ def measure_packing(model, tokenizer, args) -> dict:
     return result
 
 
+PLAN_STEP = {"groups": 2, "group_size": 4, "completion_tokens": 224, "micro_batch_tokens": 1024, "steps": 2}
+
+
+def current_rss_mb() -> float:
+    """This process's resident set size now, in MB (VmRSS)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024 / 1e6
+    raise RuntimeError("no VmRSS in /proc/self/status")
+
+
+def plan_step_child(model_dir: str, gradient_checkpointing: bool) -> dict:
+    """In a fresh process: the peak RSS of real trainer steps on SmolLM2 (float32, CPU) above the RSS the
+    process had before the model was loaded (Python, torch, transformers, the tokenizer), and the tokens of
+    its largest micro-batch. Two steps: AdamW's state exists from the first step's end, so the second
+    step's backward runs with weights, gradients and optimizer state all held, as every later step does."""
+    import resource
+
+    from transformers import AutoTokenizer
+
+    from veriroll.coordinator.trainer import build_optimizer, train_step
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from trainer_memory import on_policy, synthetic_groups
+
+    s = PLAN_STEP
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    cfg = TrainerConfig(micro_batch_tokens=s["micro_batch_tokens"], gradient_checkpointing=gradient_checkpointing,
+                        autocast="off", lr=1e-5, packing=True)
+    groups = synthetic_groups(tokenizer, s["groups"], s["group_size"], s["completion_tokens"])
+    batch, _ = build_batch(groups, [0] * len(groups), pad_id=int(tokenizer.pad_token_id or 0))
+    parts = micro_batches(batch, cfg.micro_batch_tokens, packing=True)
+    baseline = current_rss_mb()
+    model = load_training_model(model_dir, packing=True)
+    optimizer = build_optimizer(model, cfg)
+    on_policy(model, batch, rows_at_once=1)  # one row at a time: its no-grad forward stays under the step's peak
+    for _ in range(s["steps"]):
+        train_step(model, optimizer, batch, cfg, s_max=2)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e6
+    return {"peak_rss_mb": peak, "baseline_rss_mb": baseline,
+            "max_micro_batch_tokens": max(int(p.attention_mask.sum()) for p in parts),
+            "micro_batches": len(parts), "tokens": int(batch.attention_mask.sum())}
+
+
+def measure_plan(model_dir: str, gradient_checkpointing: bool = True) -> dict:
+    """The planner's per-GPU trainer memory (``veriroll plan``) against the measured peak of a real step
+    on CPU with the same model, tokens per micro-batch, checkpointing and dtype (float32 activations, no
+    autocast: the CPU default). Measured = the step process's peak RSS less its RSS before the model was
+    loaded, in a fresh process (``ru_maxrss`` only ever grows)."""
+    import subprocess
+
+    from veriroll.coordinator.plan import TrainerSettings, model_shape_from_config, trainer_memory
+
+    flag = "--plan-child-checkpointing" if gradient_checkpointing else "--plan-child-no-checkpointing"
+    out = subprocess.run([sys.executable, __file__, flag, "--model", model_dir], check=True, capture_output=True,
+                         text=True, env={**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"})
+    child = json.loads(out.stdout.strip().splitlines()[-1])
+    measured = child["peak_rss_mb"] - child["baseline_rss_mb"]
+    memory = trainer_memory(model_shape_from_config(model_dir), TrainerSettings(
+        micro_batch_tokens=child["max_micro_batch_tokens"], gradient_checkpointing=gradient_checkpointing,
+        autocast_bf16=False, fsdp_world_size=1))
+    planned = memory["per_gpu_mb"]
+    say(f"plan vs measured ({'with' if gradient_checkpointing else 'without'} checkpointing, "
+        f"{child['max_micro_batch_tokens']} tokens per micro-batch): planned {planned:.0f} MB "
+        f"({', '.join(f'{k} {v:.0f}' for k, v in memory['terms_mb'].items())}), measured {measured:.0f} MB "
+        f"(peak RSS {child['peak_rss_mb']:.0f} less {child['baseline_rss_mb']:.0f} before the model)")
+    return {"plan_peak_mb": round(planned, 1), "measured_peak_mb": round(measured, 1),
+            "plan_vs_measured_peak_mb": round(planned / measured, 3),
+            "plan_micro_batch_tokens": child["max_micro_batch_tokens"],
+            "plan_gradient_checkpointing": gradient_checkpointing}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     size = parser.add_mutually_exclusive_group()
@@ -203,6 +275,12 @@ def main() -> None:
     parser.add_argument("--micro-batch-tokens", type=int, default=1024,
                         help="the budget of both paths (default 1024: the smollm2-arith preset's)")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--plan-only", action="store_true",
+                        help="only the planner's trainer memory against a measured step (about a minute)")
+    parser.add_argument("--no-plan", action="store_true", help="skip the planner's check")
+    child = parser.add_mutually_exclusive_group()  # the measured step's own process (measure_plan starts it)
+    child.add_argument("--plan-child-checkpointing", action="store_true", help=argparse.SUPPRESS)
+    child.add_argument("--plan-child-no-checkpointing", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     for k, v in (FULL if args.full else QUICK).items():
         if getattr(args, k) is None:
@@ -214,15 +292,27 @@ def main() -> None:
         from veriroll.coordinator.models import cached_builtin_model
 
         args.model = str(cached_builtin_model())
+    if args.plan_child_checkpointing or args.plan_child_no_checkpointing:
+        print(json.dumps(plan_step_child(args.model, args.plan_child_checkpointing)))
+        return
+    result = {}
+    if not args.plan_only:
+        result.update(measure_packing_of(args))
+    if not args.no_plan:
+        result.update(measure_plan(args.model, gradient_checkpointing=True))
+    result.update(threads=args.threads, device="cpu")
+    print(json.dumps(result))
+
+
+def measure_packing_of(args) -> dict:
+    """:func:`measure_packing` on the model at ``args.model``, loaded as the trainer loads it."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     model = load_training_model(args.model, packing=True)
     say(f"model {Path(args.model).name}, attention {model.config._attn_implementation}, float32, "
         f"{args.threads} thread(s), CPU")
-    result = measure_packing(model, tokenizer, args)
-    result.update(threads=args.threads, device="cpu")
-    print(json.dumps(result))
+    return measure_packing(model, tokenizer, args)
 
 
 if __name__ == "__main__":
