@@ -56,11 +56,14 @@ runs its own micro-batches, so activations are not divided):
                         of the entropy in the forward, the gradients of the softmax and its input in the
                         backward). For a small model with a big vocabulary this is the largest activation:
                         SmolLM2-135M (V = 49152) at T = 1024 carries 0.8 GB of it in float32.
+    lm_head_grad      = 4 * V * H        the lm_head's (and a tied embedding's) weight gradient, made whole in
+                                         float32 in the backward and then added into .grad, while the
+                                         logits' gradient is alive (found short by the measured step)
     optimizer_step    = 4 * P / N        AdamW's foreach step makes one float32 temporary the size of the
                                          parameters (sqrt of exp_avg_sq), after the activations are freed
 
     per GPU = weights + gradients + adam + autocast_weights + fsdp_gathered
-              + max(activations + logits, optimizer_step)
+              + max(activations + logits + lm_head_grad, optimizer_step)
 
 GPUs needed: the smallest FSDP world whose per-GPU figure fits ``gpu_memory_fraction`` (0.9: the CUDA
 context and the allocator's fragmentation take the rest) of ``--gpu-memory-gb``; none when the
@@ -440,6 +443,7 @@ def trainer_memory_terms(shape: ModelShape, s: TrainerSettings, world: int | Non
         "fsdp_gathered": 2 * 4 * shape.block_params if n > 1 else 0.0,
         "activations": float(activations),
         "logits": float(t * shape.vocab_size * (a + 3 * 4)),
+        "lm_head_grad": float(4 * shape.vocab_size * h),
         "optimizer_step": 4 * p / n,
     }
 
@@ -448,7 +452,7 @@ def peak_bytes(terms: dict[str, float]) -> float:
     """The peak of one rank: what lives throughout, plus the larger of the backward's activations and the
     optimizer step's temporary (the activations are freed before the step)."""
     static = sum(terms[k] for k in ("weights", "gradients", "adam", "autocast_weights", "fsdp_gathered"))
-    return static + max(terms["activations"] + terms["logits"], terms["optimizer_step"])
+    return static + max(terms["activations"] + terms["logits"] + terms["lm_head_grad"], terms["optimizer_step"])
 
 
 def trainer_memory(shape: ModelShape, s: TrainerSettings) -> dict:
@@ -655,7 +659,8 @@ def render_trainer_memory(m: dict) -> str:
     return (f"trainer memory: {m['per_gpu_mb'] / 1e3:.1f} GB per GPU at FSDP {m['fsdp_world_size']} "
             f"({m['params'] / 1e6:.0f}M params from {m['shape']['source']}; weights {t['weights']:.0f} + grads "
             f"{t['gradients']:.0f} + Adam {t['adam']:.0f} + bf16 casts {t['autocast_weights']:.0f} + gathered "
-            f"{t['fsdp_gathered']:.0f} + max(activations {t['activations']:.0f} + logits {t['logits']:.0f}, "
+            f"{t['fsdp_gathered']:.0f} + max(activations {t['activations']:.0f} + logits {t['logits']:.0f} + lm_head "
+            f"grad {t['lm_head_grad']:.0f}, "
             f"optimizer step {t['optimizer_step']:.0f}) MB; {m['micro_batch_tokens']} tokens per micro-batch, "
             f"{m['activation_dtype']} activations, checkpointing {'on' if m['gradient_checkpointing'] else 'off'}): "
             f"needs {gpus}")

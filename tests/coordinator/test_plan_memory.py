@@ -37,6 +37,7 @@ def test_memory_terms_of_a_known_config_in_float32():
     assert terms["logits"] == 10 * 100 * (4 + 12) == 16000
     assert terms["weights"] == terms["gradients"] == terms["optimizer_step"] == 4 * 95040
     assert terms["adam"] == 8 * 95040
+    assert terms["lm_head_grad"] == 4 * 100 * 64
     assert terms["autocast_weights"] == terms["fsdp_gathered"] == 0
     # The optimizer step's temporary (4P) outweighs 10 tokens' activations here.
     assert peak_bytes(terms) == 16 * 95040 + 4 * 95040
@@ -119,7 +120,7 @@ def test_cli_json_carries_the_trainer_memory(tmp_path, capsys):
                 "fsdp_world_size", "terms_mb", "per_gpu_mb", "gpu_memory_gb", "gpus_needed"):
         assert key in m
     assert set(m["terms_mb"]) == {"weights", "gradients", "adam", "autocast_weights", "fsdp_gathered", "activations",
-                                  "logits", "optimizer_step"}
+                                  "logits", "lm_head_grad", "optimizer_step"}
     assert m["fsdp_world_size"] == 2 and m["gradient_checkpointing"] is True
 
 
