@@ -24,8 +24,21 @@ The last line printed is one JSON object: ``{"packing_speedup", "packed_tokens_p
 "padded_tokens_per_s", "tokens_per_s_counts", "packing_speedup_wall", "packed_vs_padded_max_logprob_diff",
 "packed_vs_padded_loss_diff",
 "padded_alone_vs_grouped_max_logprob_diff", "samples", "real_tokens", "padded_tokens", "micro_batch_tokens",
-"packed_micro_batches", "padded_micro_batches", "threads", "device"}``. More measurements of issue 29 come as more ``measure_*`` functions whose
-results are merged into that one line.
+"packed_micro_batches", "padded_micro_batches", "plan_peak_mb", "measured_peak_mb", "plan_vs_measured_peak_mb",
+"plan_micro_batch_tokens", "plan_gradient_checkpointing", "fsdp_2rank_vs_1rank_max_param_diff", "resume_2to1_ok",
+"distributed_strategy", "threads", "device"}``. More measurements of issue 29 come as more ``measure_*``
+functions whose results are merged into that one line.
+
+``measure_plan``: ``veriroll plan``'s per-GPU trainer memory (coordinator/plan.py's formula) against the
+measured peak of two real SmolLM2 steps on CPU (float32, checkpointing on, 2 x 4 samples of ~260 tokens
+packed into micro-batches of at most 1024), run in a fresh process: its peak RSS less its RSS before the
+model was loaded. ``plan_vs_measured_peak_mb`` = planned / measured (target 0.8-1.2). ``--plan-only``
+runs just this (about 80 s).
+
+``measure_distributed``: the packed steps of a tiny random Llama on 2 gloo ranks (FSDP2 where this torch
+has it) against 1 process (``fsdp_2rank_vs_1rank_max_param_diff``, target <= 1e-6), and a 2-rank sharded
+checkpoint resumed by 1 process with exactly equal parameters and AdamW state (``resume_2to1_ok``).
+About 25 s; ``--no-distributed`` skips it, ``--no-plan`` skips the planner's check.
 """
 
 from __future__ import annotations
@@ -264,6 +277,129 @@ def measure_plan(model_dir: str, gradient_checkpointing: bool = True) -> dict:
             "plan_gradient_checkpointing": gradient_checkpointing}
 
 
+# lr 1e-4, as test_distributed_step's AdamW: the ranks sum gradients in another order, float32 noise that
+# Adam's normalization turns into parameter differences proportional to lr (1.8e-6 measured at lr 1e-3).
+DIST_CFG = TrainerConfig(correction="mixed", max_grad_norm=1.0, lr=1e-4, packing=True)
+DIST_STEPS = 2
+
+
+def tiny_model():
+    """The tests' tiny random Llama (2 layers, hidden 32): the ranks' arithmetic, not a model's quality."""
+    from veriroll.coordinator.model_factory import build_char_tokenizer, build_tiny_model
+
+    return build_tiny_model(build_char_tokenizer("0123456789+="), layers=2, hidden=32, heads=4, seed=0)
+
+
+def tiny_optimizer(model):
+    return torch.optim.AdamW(model.parameters(), lr=DIST_CFG.lr, betas=(0.9, 0.99))
+
+
+def tiny_batch(step: int):
+    """Four groups of two, different per step, every group with a learning signal (test_checkpoint's)."""
+    rng = np.random.default_rng(step)
+    groups = []
+    for g in range(4):
+        prompt = np.array([1, *rng.integers(4, 16, size=3)], dtype=np.int32)
+        samples = [SampleRecord(rng.integers(4, 16, size=2 + i).astype(np.int32),
+                                (-rng.uniform(0.5, 3.0, size=2 + i)).astype(np.float32), None, float(i % 2))
+                   for i in range(2)]
+        groups.append(GroupRecord(g, "arithmetic", 0, 1.0, 0, prompt, samples))
+    batch, _ = build_batch(groups, [0] * 4)
+    return batch
+
+
+def full_state(model, optimizer) -> dict:
+    """Model and optimizer state unsharded, keyed by parameter name, on CPU (rank 0's under
+    torch.distributed, where every rank must call it)."""
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    distributed = dist.is_available() and dist.is_initialized()
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True) if distributed else None
+    model_state, optim_state = get_state_dict(model, optimizer, options=options)
+    if distributed and dist.get_rank() != 0:
+        return {}
+
+    def plain(x):
+        if hasattr(x, "full_tensor"):
+            x = x.full_tensor()
+        return x.detach().cpu().clone() if isinstance(x, torch.Tensor) else x
+
+    return {"model": {k: plain(v) for k, v in model_state.items()},
+            "state": {k: {n: plain(t) for n, t in s.items()} for k, s in optim_state["state"].items()}}
+
+
+def same_state(a: dict, b: dict) -> bool:
+    """Whether two :func:`full_state` results are equal, exactly (save and load are lossless)."""
+    return (a["model"].keys() == b["model"].keys() and all(torch.equal(a["model"][k], v) for k, v in b["model"].items())
+            and a["state"].keys() == b["state"].keys() and bool(b["state"])
+            and all(torch.equal(torch.as_tensor(a["state"][k][n]), torch.as_tensor(t))
+                    for k, s in b["state"].items() for n, t in s.items()))
+
+
+def _distributed_rank(rank: int, world: int, init_file: str, root: str, strategy: str) -> None:
+    """One gloo rank: DIST_STEPS packed steps, then a sharded checkpoint, then the full state to rank0.pt."""
+    import torch.distributed as dist
+
+    from veriroll.coordinator.checkpoint import save_training_state
+    from veriroll.coordinator.trainer import distributed_train_step, wrap_distributed
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        model = wrap_distributed(tiny_model(), strategy)
+        optimizer = tiny_optimizer(model)
+        for step in range(DIST_STEPS):
+            distributed_train_step(model, optimizer, tiny_batch(step), DIST_CFG, s_max=4)
+        save_training_state(Path(root) / "trainer", DIST_STEPS, {"step": DIST_STEPS}, keep=2, model=model,
+                            optimizer=optimizer)
+        got = full_state(model, optimizer)
+        if rank == 0:
+            torch.save(got, Path(root) / "rank0.pt")
+        dist.barrier()  # neither rank tears gloo down under the other (test_distributed_step says why)
+    finally:
+        dist.destroy_process_group()
+
+
+def measure_distributed() -> dict:
+    """2 gloo ranks (spawned, CPU) against 1 process on the same packed steps of a tiny random Llama: the
+    largest parameter difference after DIST_STEPS steps, and whether one process resumes the 2 ranks'
+    sharded checkpoint with exactly their parameters and optimizer state. FSDP2 where this torch has it,
+    else DDP."""
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    from veriroll.coordinator.checkpoint import latest_training_state, load_sharded_state
+    from veriroll.coordinator.trainer import train_step
+
+    try:
+        from torch.distributed.fsdp import fully_shard  # noqa: F401 - a probe of this torch build
+        strategy = "fsdp2"
+    except ImportError:
+        strategy = "ddp"
+    model = tiny_model()
+    optimizer = tiny_optimizer(model)
+    for step in range(DIST_STEPS):
+        train_step(model, optimizer, tiny_batch(step), DIST_CFG, s_max=4)
+    single = full_state(model, optimizer)
+    with tempfile.TemporaryDirectory(prefix="veriroll-trainer-hw-") as root:
+        mp.start_processes(_distributed_rank, args=(2, str(Path(root) / "init"), root, strategy), nprocs=2,
+                           join=True, start_method="spawn")
+        ranks = torch.load(Path(root) / "rank0.pt", weights_only=False)
+        _, state = latest_training_state(Path(root) / "trainer")
+        resumed_model = tiny_model()
+        resumed_optimizer = tiny_optimizer(resumed_model)
+        load_sharded_state(state["dir"], resumed_model, resumed_optimizer)
+        resumed = full_state(resumed_model, resumed_optimizer)
+    max_diff = max(float((ranks["model"][k] - v).abs().max()) for k, v in single["model"].items())
+    result = {"fsdp_2rank_vs_1rank_max_param_diff": max_diff, "resume_2to1_ok": same_state(resumed, ranks),
+              "distributed_strategy": strategy}
+    say(f"distributed ({strategy}, gloo, 2 ranks vs 1, {DIST_STEPS} packed steps): max |Δ param| {max_diff:.2e}; "
+        f"2-rank save -> 1-rank resume equal: {result['resume_2to1_ok']}")
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     size = parser.add_mutually_exclusive_group()
@@ -278,6 +414,8 @@ def main() -> None:
     parser.add_argument("--plan-only", action="store_true",
                         help="only the planner's trainer memory against a measured step (about a minute)")
     parser.add_argument("--no-plan", action="store_true", help="skip the planner's check")
+    parser.add_argument("--no-distributed", action="store_true",
+                        help="skip the 2-rank vs 1-rank step and the 2 -> 1 resume (tiny model, ~30 s)")
     child = parser.add_mutually_exclusive_group()  # the measured step's own process (measure_plan starts it)
     child.add_argument("--plan-child-checkpointing", action="store_true", help=argparse.SUPPRESS)
     child.add_argument("--plan-child-no-checkpointing", action="store_true", help=argparse.SUPPRESS)
@@ -300,6 +438,8 @@ def main() -> None:
         result.update(measure_packing_of(args))
     if not args.no_plan:
         result.update(measure_plan(args.model, gradient_checkpointing=True))
+    if not args.no_distributed:
+        result.update(measure_distributed())
     result.update(threads=args.threads, device="cpu")
     print(json.dumps(result))
 
