@@ -370,7 +370,8 @@ class ModelShape:
 
 def model_shape_from_config(path: str | Path) -> ModelShape:
     """The shape in the HF config of the model directory (or hub name) ``path``, via transformers' AutoConfig."""
-    if (str(path).startswith((".", "/", "~")) or Path(path).parent != Path(".")) and not Path(path).expanduser().is_dir():
+    # A local path that is not there is refused here; anything else may be a hub name ("org/model").
+    if str(path).startswith((".", "/", "~")) and not Path(path).expanduser().is_dir():
         raise PlanError(f"--model {path}: no such model directory")
     try:
         from transformers import AutoConfig
