@@ -17,7 +17,8 @@ at 2048 (1.56x, but packed rows of ~2048 tokens run slower per token). Wall-cloc
 machine ranged from 0.83x to 1.9x for the same settings, hence CPU seconds. Flash-attention's varlen
 kernel (CUDA) spends nothing on masked blocks; not measured here.
 
-    .venv/bin/python benchmarks/trainer_hw.py --quick        # 24 samples, best of 3, ~6 minutes on 2 busy cores
+    .venv/bin/python benchmarks/trainer_hw.py --quick        # 24 samples, best of 3, ~8 minutes on 2 busy cores
+    .venv/bin/python benchmarks/trainer_hw.py --plan-only    # the planner's check alone (+ --no-distributed)
     .venv/bin/python benchmarks/trainer_hw.py --full         # 64 samples
 
 The last line printed is one JSON object: ``{"packing_speedup", "packed_tokens_per_s",

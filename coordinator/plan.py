@@ -55,15 +55,24 @@ runs its own micro-batches, so activations are not divided):
                         log-softmax kept for the backward, then two of the same size at once (exp * log-p
                         of the entropy in the forward, the gradients of the softmax and its input in the
                         backward). For a small model with a big vocabulary this is the largest activation:
-                        SmolLM2-135M (V = 49152) at T = 1024 carries 0.8 GB of it in float32.
+                        SmolLM2-135M (V = 49152) at T = 1024 carries 0.8 GB of it in float32. An upper
+                        bound: prompt tokens get the model's logits but none of the float32 copies.
     lm_head_grad      = 4 * V * H        the lm_head's (and a tied embedding's) weight gradient, made whole in
                                          float32 in the backward and then added into .grad, while the
                                          logits' gradient is alive (found short by the measured step)
-    optimizer_step    = 4 * P / N        AdamW's foreach step makes one float32 temporary the size of the
-                                         parameters (sqrt of exp_avg_sq), after the activations are freed
+    optimizer_step    = 4 * P / N        AdamW's foreach step (torch's default on CUDA) makes one float32
+                                         temporary the size of the parameters (sqrt of exp_avg_sq), after the
+                                         activations are freed; on CPU torch steps one parameter at a time,
+                                         so there it is the largest parameter's
 
     per GPU = weights + gradients + adam + autocast_weights + fsdp_gathered
               + max(activations + logits + lm_head_grad, optimizer_step)
+
+Checked on CPU (benchmarks/trainer_hw.py ``--plan-only``, SmolLM2-135M, float32, two steps, peak RSS of a
+fresh process less its RSS before the model, glibc's mmap threshold fixed so RSS follows live tensors):
+planned / measured 1.05 with checkpointing at 789 tokens per micro-batch (2974 / 2826 MB), 0.98 without
+(3886 / 3965 MB); 1.23 with checkpointing at 973 tokens of shorter samples (3139 / 2555 MB), where 28% of
+the tokens are prompt (the logits bound above) and the rest of the gap is not explained yet.
 
 GPUs needed: the smallest FSDP world whose per-GPU figure fits ``gpu_memory_fraction`` (0.9: the CUDA
 context and the allocator's fragmentation take the rest) of ``--gpu-memory-gb``; none when the
