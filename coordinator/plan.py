@@ -30,6 +30,57 @@ generate them; every other part must carry that rate:
 A ``Machine`` says how the parts are deployed; the default (no ``--cores``) is a dedicated deployment,
 each edge process with a core of its own and the store and verifiers on machines of their own.
 
+Trainer memory (``trainer_memory``): what one trainer GPU holds for a model of P parameters, in bytes,
+sharded over an FSDP world of N ranks (params, gradients and optimizer states divided by N; every rank
+runs its own micro-batches, so activations are not divided):
+
+    weights           = 4 * P / N        float32 master weights (trainer/weights.py loads the model in float32)
+    gradients         = 4 * P / N        float32, on the parameters
+    adam              = 8 * P / N        AdamW's exp_avg and exp_avg_sq, float32
+    autocast_weights  = 2 * P / N        bf16 casts of the weights autocast keeps for the backward (a = 2 only)
+    fsdp_gathered     = 2 * 4 * B        N > 1: the block being computed and the one prefetched, gathered
+                                         whole (B = one decoder block's parameters)
+    activations, T = micro_batch_tokens, a = bytes of an activation (2 under bf16 autocast, the CUDA
+    default; 4 in float32, the CPU default), for a Llama-style block (RMSNorm, attention with H hidden and
+    KV = H * kv_heads / heads of keys and values, a SwiGLU MLP of I), per token per layer:
+        2 * (4 + a) * H      the two RMSNorms: their float32 input and the normalized output
+        a * (3 * H + 2 * KV) q (after RoPE), k, v kept by attention, its output kept twice (the kernel's
+                             backward and o_proj's input)
+        4 * a * I            gate, up, silu(gate) and their product (down_proj's input)
+      without checkpointing   layers * T * per_layer
+      with checkpointing      layers * T * 4 * H (each block's float32 input) + T * per_layer (one block
+                              recomputed in the backward)
+    logits            = T * V * (a + 3 * 4)    the model's logits in the activation dtype, and the float32
+                        copies the loss makes over the vocabulary at the completion tokens (at most T): the
+                        log-softmax kept for the backward, then two of the same size at once (exp * log-p
+                        of the entropy in the forward, the gradients of the softmax and its input in the
+                        backward). For a small model with a big vocabulary this is the largest activation:
+                        SmolLM2-135M (V = 49152) at T = 1024 carries 0.8 GB of it in float32. An upper
+                        bound: prompt tokens get the model's logits but none of the float32 copies.
+    lm_head_grad      = 4 * V * H        the lm_head's (and a tied embedding's) weight gradient, made whole in
+                                         float32 in the backward and then added into .grad, while the
+                                         logits' gradient is alive (found short by the measured step)
+    optimizer_step    = 4 * P / N        AdamW's foreach step (torch's default on CUDA) makes one float32
+                                         temporary the size of the parameters (sqrt of exp_avg_sq), after the
+                                         activations are freed; on CPU torch steps one parameter at a time,
+                                         so there it is the largest parameter's
+
+    per GPU = weights + gradients + adam + autocast_weights + fsdp_gathered
+              + max(activations + logits + lm_head_grad, optimizer_step)
+
+Checked on CPU (benchmarks/trainer_hw.py ``--plan-only``, SmolLM2-135M, float32, two steps, peak RSS of a
+fresh process less its RSS before the model, glibc's mmap threshold fixed so RSS follows live tensors):
+planned / measured 1.05 with checkpointing at 789 tokens per micro-batch (2974 / 2826 MB), 0.98 without
+(3886 / 3965 MB); 1.23 with checkpointing at 973 tokens of shorter samples (3139 / 2555 MB), where 28% of
+the tokens are prompt (the logits bound above) and the rest of the gap is not explained yet.
+
+GPUs needed: the smallest FSDP world whose per-GPU figure fits ``gpu_memory_fraction`` (0.9: the CUDA
+context and the allocator's fragmentation take the rest) of ``--gpu-memory-gb``; none when the
+unsharded activations alone do not fit (lower ``micro_batch_tokens`` or turn checkpointing on). The shape
+comes from the model's config (``--model PATH``, transformers' AutoConfig) or, with ``--model-params``
+alone, from ``model_shape_from_params``: a Llama-style shape with a 128k vocabulary, hidden = 128 * layers,
+heads of 128, no GQA, intermediate 8/3 * hidden, untied embeddings (documented defaults, not a model).
+
 Each unit cost carries its source and whether it was measured on the 2-core development machine or
 is an assumption; ``--costs FILE`` (JSON, ``{"name": value}`` or ``{"name": {"value": ...}}``)
 replaces any of them.
@@ -37,6 +88,7 @@ replaces any of them.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import math
@@ -296,6 +348,147 @@ def broadcast_time_s(nodes_reached: float, version_bytes: float, costs: dict[str
     return version_bytes / rate + (depth - 1) * shard / rate, depth, relays
 
 
+@dataclasses.dataclass(frozen=True)
+class ModelShape:
+    """The shape of a Llama-style decoder, as its config states it."""
+
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    intermediate_size: int
+    vocab_size: int
+    tie_embeddings: bool = False
+    source: str = "config"
+
+    @property
+    def kv_size(self) -> int:
+        return self.hidden_size * self.num_kv_heads // self.num_heads
+
+    @property
+    def block_params(self) -> int:
+        """Parameters of one decoder block: q, k, v, o, the SwiGLU MLP and two RMSNorm weights."""
+        h = self.hidden_size
+        return h * (2 * h + 2 * self.kv_size) + 3 * h * self.intermediate_size + 2 * h
+
+    @property
+    def params(self) -> int:
+        embeddings = self.vocab_size * self.hidden_size * (1 if self.tie_embeddings else 2)
+        return self.num_layers * self.block_params + embeddings + self.hidden_size  # + the final norm
+
+
+def model_shape_from_config(path: str | Path) -> ModelShape:
+    """The shape in the HF config of the model directory (or hub name) ``path``, via transformers' AutoConfig."""
+    # A local path that is not there is refused here; anything else may be a hub name ("org/model").
+    if str(path).startswith((".", "/", "~")) and not Path(path).expanduser().is_dir():
+        raise PlanError(f"--model {path}: no such model directory")
+    try:
+        from transformers import AutoConfig
+
+        cfg = AutoConfig.from_pretrained(str(path))
+    except Exception as e:  # transformers raises OSError, ValueError or its own types for a bad path
+        raise PlanError(f"--model {path}: cannot read a model config there ({type(e).__name__}: {e})") from e
+    cfg = getattr(cfg, "text_config", None) or cfg
+    try:
+        heads = int(cfg.num_attention_heads)
+        return ModelShape(
+            hidden_size=int(cfg.hidden_size), num_layers=int(cfg.num_hidden_layers), num_heads=heads,
+            num_kv_heads=int(getattr(cfg, "num_key_value_heads", None) or heads),
+            intermediate_size=int(cfg.intermediate_size), vocab_size=int(cfg.vocab_size),
+            tie_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)), source=f"config of {path}")
+    except (AttributeError, TypeError, ValueError) as e:
+        raise PlanError(f"--model {path}: its config lacks a Llama-style shape ({e})") from e
+
+
+DEFAULT_VOCAB = 128256  # Llama 3's; Qwen's ~152k is close
+DEFAULT_HEAD_DIM = 128
+
+
+def model_shape_from_params(params: float) -> ModelShape:
+    """A Llama-style shape of about ``params`` parameters, for ``--model-params`` without ``--model``:
+    vocabulary 128256, hidden = 128 * layers (Llama's aspect), heads of 128, no GQA, intermediate
+    8/3 * hidden, untied embeddings. A stated default, not a real model: pass ``--model`` for that."""
+    _require(math.isfinite(params) and params > 0, f"--model-params must be > 0, got {params!r}")
+    best = None
+    for layers in range(1, 257):
+        hidden = DEFAULT_HEAD_DIM * layers
+        heads = hidden // DEFAULT_HEAD_DIM
+        shape = ModelShape(hidden, layers, heads, heads, int(round(8 * hidden / 3 / 64)) * 64, DEFAULT_VOCAB,
+                           source=f"Llama-style defaults for {params:.3g} params")
+        if best is None or abs(shape.params - params) < abs(best.params - params):
+            best = shape
+        if shape.params > params:
+            break
+    return best
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainerSettings:
+    """How the trainer runs the model: the inputs of :func:`trainer_memory` besides the shape."""
+
+    micro_batch_tokens: int = 2048  # trainer.micro_batch_tokens' default
+    gradient_checkpointing: bool = False
+    autocast_bf16: bool = True  # the CUDA default ('auto'); False: float32 activations, as on CPU
+    fsdp_world_size: int = 1
+    gpu_memory_gb: float = 80.0
+    gpu_memory_fraction: float = 0.9  # the CUDA context and the allocator's fragmentation take the rest
+
+
+def trainer_memory_terms(shape: ModelShape, s: TrainerSettings, world: int | None = None) -> dict[str, float]:
+    """Bytes one trainer rank holds, term by term (the module docstring's formula), at FSDP world ``world``."""
+    n = world or s.fsdp_world_size
+    p = shape.params
+    a = 2 if s.autocast_bf16 else 4
+    h, i, kv, t = shape.hidden_size, shape.intermediate_size, shape.kv_size, s.micro_batch_tokens
+    per_token_layer = 2 * (4 + a) * h + a * (3 * h + 2 * kv) + 4 * a * i
+    if s.gradient_checkpointing:
+        activations = shape.num_layers * t * 4 * h + t * per_token_layer
+    else:
+        activations = shape.num_layers * t * per_token_layer
+    return {
+        "weights": 4 * p / n,
+        "gradients": 4 * p / n,
+        "adam": 8 * p / n,
+        "autocast_weights": 2 * p / n if s.autocast_bf16 else 0.0,
+        "fsdp_gathered": 2 * 4 * shape.block_params if n > 1 else 0.0,
+        "activations": float(activations),
+        "logits": float(t * shape.vocab_size * (a + 3 * 4)),
+        "lm_head_grad": float(4 * shape.vocab_size * h),
+        "optimizer_step": 4 * p / n,
+    }
+
+
+def peak_bytes(terms: dict[str, float]) -> float:
+    """The peak of one rank: what lives throughout, plus the larger of the backward's activations and the
+    optimizer step's temporary (the activations are freed before the step)."""
+    static = sum(terms[k] for k in ("weights", "gradients", "adam", "autocast_weights", "fsdp_gathered"))
+    return static + max(terms["activations"] + terms["logits"] + terms["lm_head_grad"], terms["optimizer_step"])
+
+
+def trainer_memory(shape: ModelShape, s: TrainerSettings) -> dict:
+    """Per-GPU trainer memory (MB) at ``s.fsdp_world_size``, its terms, and the FSDP world that fits a GPU of
+    ``s.gpu_memory_gb`` (``gpus_needed``; None when the activations alone do not fit)."""
+    _require(isinstance(s.micro_batch_tokens, int) and s.micro_batch_tokens > 0,
+             f"--micro-batch-tokens must be a whole number > 0, got {s.micro_batch_tokens!r}")
+    _require(s.fsdp_world_size >= 1, f"--fsdp must be >= 1, got {s.fsdp_world_size!r}")
+    _require(math.isfinite(s.gpu_memory_gb) and s.gpu_memory_gb > 0, f"--gpu-memory-gb must be > 0, got {s.gpu_memory_gb!r}")
+    terms = trainer_memory_terms(shape, s)
+    usable = s.gpu_memory_gb * 1e9 * s.gpu_memory_fraction
+    needed = next((n for n in range(1, 4097) if peak_bytes(trainer_memory_terms(shape, s, n)) <= usable), None)
+    return {
+        "params": shape.params,
+        "shape": dataclasses.asdict(shape),
+        "micro_batch_tokens": s.micro_batch_tokens,
+        "gradient_checkpointing": s.gradient_checkpointing,
+        "activation_dtype": "bfloat16" if s.autocast_bf16 else "float32",
+        "fsdp_world_size": s.fsdp_world_size,
+        "terms_mb": {k: v / 1e6 for k, v in terms.items()},
+        "per_gpu_mb": peak_bytes(terms) / 1e6,
+        "gpu_memory_gb": s.gpu_memory_gb,
+        "gpus_needed": needed,
+    }
+
+
 def plan(w: Workload, costs: dict[str, UnitCost] | None = None, machine: Machine | None = None) -> dict:
     """The deployment ``w`` needs: processes, devices, rates and times, as one flat dict of figures.
 
@@ -467,7 +660,37 @@ def render(w: Workload, p: dict, costs: dict[str, UnitCost], machine: Machine | 
     return "\n".join(lines)
 
 
+def render_trainer_memory(m: dict) -> str:
+    """The trainer-memory figures as one line an operator reads."""
+    t = m["terms_mb"]
+    gpus = (f"{m['gpus_needed']} GPU{'' if m['gpus_needed'] == 1 else 's'} of {m['gpu_memory_gb']:g} GB (FSDP)"
+            if m["gpus_needed"] else f"no FSDP world fits {m['gpu_memory_gb']:g} GB GPUs: the activations alone "
+            "do not; lower --micro-batch-tokens or turn --gradient-checkpointing on")
+    return (f"trainer memory: {m['per_gpu_mb'] / 1e3:.1f} GB per GPU at FSDP {m['fsdp_world_size']} "
+            f"({m['params'] / 1e6:.0f}M params from {m['shape']['source']}; weights {t['weights']:.0f} + grads "
+            f"{t['gradients']:.0f} + Adam {t['adam']:.0f} + bf16 casts {t['autocast_weights']:.0f} + gathered "
+            f"{t['fsdp_gathered']:.0f} + max(activations {t['activations']:.0f} + logits {t['logits']:.0f} + lm_head "
+            f"grad {t['lm_head_grad']:.0f}, "
+            f"optimizer step {t['optimizer_step']:.0f}) MB; {m['micro_batch_tokens']} tokens per micro-batch, "
+            f"{m['activation_dtype']} activations, checkpointing {'on' if m['gradient_checkpointing'] else 'off'}): "
+            f"needs {gpus}")
+
+
 def cmd_plan(args) -> int:
+    try:
+        if args.model is not None:
+            shape = model_shape_from_config(args.model)
+        elif args.model_params is not None:
+            shape = model_shape_from_params(args.model_params)
+        else:
+            raise PlanError("give --model PATH (its config's shape) or --model-params P")
+        memory = trainer_memory(shape, TrainerSettings(
+            micro_batch_tokens=args.micro_batch_tokens, gradient_checkpointing=args.gradient_checkpointing,
+            autocast_bf16=args.autocast == "bfloat16", fsdp_world_size=args.fsdp, gpu_memory_gb=args.gpu_memory_gb))
+    except PlanError as e:
+        args.parser.error(str(e))
+    if args.model_params is None:
+        args.model_params = float(shape.params)
     w = Workload(model_params=args.model_params, nodes=args.nodes, tokens_per_sample=args.tokens_per_sample,
                  group_size=args.group_size, audit_fraction=args.audit_fraction, prompt_tokens=args.prompt_tokens,
                  node_tokens_per_s=args.node_tokens_per_s, publish_every_s=args.publish_every_s,
@@ -484,9 +707,11 @@ def cmd_plan(args) -> int:
     except PlanError as e:
         args.parser.error(str(e))
     if args.json:
-        print(json.dumps({**p, "costs": {n: dataclasses.asdict(c) for n, c in costs.items()}}))
+        print(json.dumps({**p, "trainer_memory": memory,
+                          "costs": {n: dataclasses.asdict(c) for n, c in costs.items()}}))
     else:
         print(render(w, p, costs, machine))
+        print(render_trainer_memory(memory))
     return 0
 
 
@@ -494,7 +719,20 @@ def register(subparsers) -> None:
     """Add ``veriroll plan``."""
     p = subparsers.add_parser("plan", help="what a deployment needs (edges, verifiers, store, broadcast, staleness) "
                                            "from measured unit costs")
-    p.add_argument("--model-params", type=float, required=True, help="parameters of the policy, e.g. 7e9")
+    p.add_argument("--model-params", type=float, default=None,
+                   help="parameters of the policy, e.g. 7e9 (default: counted from --model's config)")
+    p.add_argument("--model", default=None, metavar="PATH",
+                   help="HF model directory or name: the trainer-memory plan reads its shape from its config "
+                        "(without it: Llama-style defaults for --model-params)")
+    p.add_argument("--micro-batch-tokens", type=int, default=2048,
+                   help="trainer.micro_batch_tokens: tokens per forward/backward (default 2048, the trainer's)")
+    p.add_argument("--gradient-checkpointing", action=argparse.BooleanOptionalAction, default=False,
+                   help="trainer.gradient_checkpointing (default off, the trainer's)")
+    p.add_argument("--autocast", choices=["bfloat16", "off"], default="bfloat16",
+                   help="activation dtype: bfloat16 (the CUDA default) or off (float32, as on CPU)")
+    p.add_argument("--fsdp", type=int, default=1, metavar="N",
+                   help="FSDP world size the per-GPU trainer memory is given for (default 1)")
+    p.add_argument("--gpu-memory-gb", type=float, default=80.0, help="memory of one trainer GPU (default 80)")
     p.add_argument("--nodes", type=int, required=True, help="volunteer nodes generating at once")
     p.add_argument("--tokens-per-sample", type=int, required=True, help="generated tokens per sample")
     p.add_argument("--group-size", type=int, required=True, help="samples per group")
