@@ -287,52 +287,15 @@ def measure_plan(model_dir: str, gradient_checkpointing: bool = True) -> dict:
 # Adam's normalization turns into parameter differences proportional to lr (1.8e-6 measured at lr 1e-3).
 DIST_CFG = TrainerConfig(correction="mixed", max_grad_norm=1.0, lr=1e-4, packing=True)
 DIST_STEPS = 2
-
-
-def tiny_model():
-    """The tests' tiny random Llama (2 layers, hidden 32): the ranks' arithmetic, not a model's quality."""
-    from veriroll.coordinator.model_factory import build_char_tokenizer, build_tiny_model
-
-    return build_tiny_model(build_char_tokenizer("0123456789+="), layers=2, hidden=32, heads=4, seed=0)
+# The tiny random Llama, its batches and the unsharded state of test_checkpoint (the same ranks' arithmetic).
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "coordinator"))
+from test_checkpoint import full_state  # noqa: E402
+from test_checkpoint import make_batch as tiny_batch  # noqa: E402
+from test_checkpoint import make_model as tiny_model  # noqa: E402
 
 
 def tiny_optimizer(model):
     return torch.optim.AdamW(model.parameters(), lr=DIST_CFG.lr, betas=(0.9, 0.99))
-
-
-def tiny_batch(step: int):
-    """Four groups of two, different per step, every group with a learning signal (test_checkpoint's)."""
-    rng = np.random.default_rng(step)
-    groups = []
-    for g in range(4):
-        prompt = np.array([1, *rng.integers(4, 16, size=3)], dtype=np.int32)
-        samples = [SampleRecord(rng.integers(4, 16, size=2 + i).astype(np.int32),
-                                (-rng.uniform(0.5, 3.0, size=2 + i)).astype(np.float32), None, float(i % 2))
-                   for i in range(2)]
-        groups.append(GroupRecord(g, "arithmetic", 0, 1.0, 0, prompt, samples))
-    batch, _ = build_batch(groups, [0] * 4)
-    return batch
-
-
-def full_state(model, optimizer) -> dict:
-    """Model and optimizer state unsharded, keyed by parameter name, on CPU (rank 0's under
-    torch.distributed, where every rank must call it)."""
-    import torch.distributed as dist
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
-
-    distributed = dist.is_available() and dist.is_initialized()
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True) if distributed else None
-    model_state, optim_state = get_state_dict(model, optimizer, options=options)
-    if distributed and dist.get_rank() != 0:
-        return {}
-
-    def plain(x):
-        if hasattr(x, "full_tensor"):
-            x = x.full_tensor()
-        return x.detach().cpu().clone() if isinstance(x, torch.Tensor) else x
-
-    return {"model": {k: plain(v) for k, v in model_state.items()},
-            "state": {k: {n: plain(t) for n, t in s.items()} for k, s in optim_state["state"].items()}}
 
 
 def same_state(a: dict, b: dict) -> bool:
