@@ -47,7 +47,7 @@ from veriroll.coordinator.environments import (
     RewardFunction,
     Rubric,
 )
-from veriroll.coordinator.math_environment import DATA_FORMATS
+from veriroll.coordinator.math_environment import read_data_file
 from veriroll.coordinator.sandbox import (
     BWRAP_MODE,
     UNSAFE_SUBPROCESS_MODE,
@@ -186,27 +186,7 @@ def generated_problem(rng: random.Random) -> tuple[str, list[dict], dict]:
 
 def _load_rows(data: str, prompt_column: str, tests_column: str, split: str, limit: int | None) -> list[tuple[str, list]]:
     path = Path(data).expanduser()
-    builder = DATA_FORMATS.get(path.suffix.lower())
-    if builder is None:
-        raise EnvironmentLoadError(f"code environment: cannot read {str(path)!r}: unknown file type {path.suffix!r}; "
-                                   f"use one of {', '.join(DATA_FORMATS)}")
-    if not path.is_file():
-        raise EnvironmentLoadError(f"code environment: data file {str(path)!r} does not exist")
-    if path.stat().st_size == 0:
-        raise EnvironmentLoadError(f"code environment: data file {str(path)!r} is empty")
-    import datasets
-
-    try:
-        ds = datasets.load_dataset(builder, data_files={split: str(path)}, split=split)  # a file only: no hub access
-    except Exception as e:  # datasets raises many types for unreadable files; say which file
-        raise EnvironmentLoadError(f"code environment: cannot read {str(path)!r} as {builder}: {type(e).__name__}: {e}") from e
-    missing = [c for c in (prompt_column, tests_column) if c not in ds.column_names]
-    if missing:
-        raise EnvironmentLoadError(
-            f"code environment: {str(path)!r} has no column {', '.join(map(repr, missing))}; its columns are "
-            f"{', '.join(map(repr, ds.column_names))}: set prompt_column / tests_column to the right ones")
-    if limit is not None:
-        ds = ds.select(range(min(limit, len(ds))))
+    ds = read_data_file("code", data, {"prompt_column": prompt_column, "tests_column": tests_column}, split, limit)
     rows = []
     for i, (prompt, tests) in enumerate(zip(ds[prompt_column], ds[tests_column], strict=True)):
         if prompt is None or not str(prompt).strip():

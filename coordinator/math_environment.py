@@ -27,6 +27,7 @@ from veriroll.coordinator.environments import (
 
 __all__ = [
     "DATA_FORMATS",
+    "read_data_file",
     "DEFAULT_INSTRUCTION",
     "MathEnvironment",
     "extract_answer",
@@ -183,30 +184,39 @@ def word_problem(rng: random.Random, difficulty: int = 1) -> tuple[str, int]:
 # The environment
 
 
-def _load_rows(data: str, question_column: str, answer_column: str, split: str, limit: int | None) -> list[tuple[str, str]]:
+def read_data_file(env: str, data: str, columns: dict[str, str], split: str, limit: int | None):
+    """``data`` (a file of one of :data:`DATA_FORMATS`) as a ``datasets.Dataset`` of at most ``limit`` rows that
+    has each of ``columns`` (setting name -> column name); anything else is refused naming the file and the
+    fix, as ``env`` environment's error."""
     path = Path(data).expanduser()
     builder = DATA_FORMATS.get(path.suffix.lower())
     if builder is None:
-        raise EnvironmentLoadError(f"math environment: cannot read {str(path)!r}: unknown file type {path.suffix!r}; "
+        raise EnvironmentLoadError(f"{env} environment: cannot read {str(path)!r}: unknown file type {path.suffix!r}; "
                                    f"use one of {', '.join(DATA_FORMATS)}")
     if not path.is_file():
-        raise EnvironmentLoadError(f"math environment: data file {str(path)!r} does not exist")
+        raise EnvironmentLoadError(f"{env} environment: data file {str(path)!r} does not exist")
     if path.stat().st_size == 0:
-        raise EnvironmentLoadError(f"math environment: data file {str(path)!r} is empty")
+        raise EnvironmentLoadError(f"{env} environment: data file {str(path)!r} is empty")
     import datasets
 
     try:
         # A file path only: no hub access. The cache stays under datasets' default cache directory.
         ds = datasets.load_dataset(builder, data_files={split: str(path)}, split=split)
     except Exception as e:  # datasets raises many types for unreadable files; say which file
-        raise EnvironmentLoadError(f"math environment: cannot read {str(path)!r} as {builder}: {type(e).__name__}: {e}") from e
-    missing = [c for c in (question_column, answer_column) if c not in ds.column_names]
+        raise EnvironmentLoadError(f"{env} environment: cannot read {str(path)!r} as {builder}: {type(e).__name__}: {e}") from e
+    missing = [c for c in columns.values() if c not in ds.column_names]
     if missing:
         raise EnvironmentLoadError(
-            f"math environment: {str(path)!r} has no column {', '.join(map(repr, missing))}; its columns are "
-            f"{', '.join(map(repr, ds.column_names))}: set question_column / answer_column to the right ones")
+            f"{env} environment: {str(path)!r} has no column {', '.join(map(repr, missing))}; its columns are "
+            f"{', '.join(map(repr, ds.column_names))}: set {' / '.join(columns)} to the right ones")
     if limit is not None:
         ds = ds.select(range(min(limit, len(ds))))
+    return ds
+
+
+def _load_rows(data: str, question_column: str, answer_column: str, split: str, limit: int | None) -> list[tuple[str, str]]:
+    path = Path(data).expanduser()
+    ds = read_data_file("math", data, {"question_column": question_column, "answer_column": answer_column}, split, limit)
     rows = [(str(q), str(a)) for q, a in zip(ds[question_column], ds[answer_column], strict=True)
             if q is not None and a is not None and str(q).strip() and str(a).strip()]
     if not rows:
